@@ -1,0 +1,56 @@
+"""lessmem: make large language models fit in less memory.
+
+Importing this package is cheap: it does not import transformers or initialise CUDA.
+Public names are resolved lazily from their layer on first use.
+
+Example:
+    >>> import lessmem
+    >>> lessmem.__version__
+    '0.1.0'
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (resolved on first attribute access)
+_LAZY = {
+    # formats
+    "QTensor": "lessmem.formats",
+    "PerTensor": "lessmem.formats",
+    "PerChannel": "lessmem.formats",
+    "PerToken": "lessmem.formats",
+    "PerGroup": "lessmem.formats",
+    "SuperBlock": "lessmem.formats",
+    "quantize": "lessmem.formats",
+    # models
+    "load": "lessmem.models",
+    # kv cache
+    "KVCache": "lessmem.kvcache",
+    "KVConfig": "lessmem.kvcache",
+    # weights
+    "quantize_": "lessmem.weights",
+    "save_quantized": "lessmem.weights",
+    "RTNConfig": "lessmem.weights",
+    "GPTQConfig": "lessmem.weights",
+    "AWQConfig": "lessmem.weights",
+    "SmoothQuantConfig": "lessmem.weights",
+    "GGUFConfig": "lessmem.weights",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'lessmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,3 @@
+from lessmem.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""The formats layer: how a tensor becomes codes and back (torch and numpy only).
+
+``quantize(x, fmt, **options)`` is the one entry point; ``fmt`` is a format name:
+
+- ``"int2"`` … ``"int8"`` symmetric integers, ``"uint2"`` … ``"uint8"`` asymmetric
+  (options: ``granularity``, ``clip_ratio``, ``scale_dtype``)
+
+Further format families register themselves in ``QUANTIZERS`` on import.
+
+Example:
+    >>> import torch
+    >>> from lessmem.formats import quantize, PerGroup
+    >>> qt = quantize(torch.randn(8, 64), "uint4", granularity=PerGroup(32))
+    >>> round(qt.bits_per_element, 3)
+    4.625
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from .granularity import Granularity, PerChannel, PerGroup, PerTensor, PerToken, SuperBlock
+from .hadamard import HadamardRotation, fwht
+from .integer import quantize_int
+from .metrics import error_stats, snr_db
+from .qtensor import QFormat, QTensor
+
+# format-name pattern -> factory(x, match, **options) -> QTensor
+QUANTIZERS: dict[str, Callable] = {
+    r"int([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=True, **kw),
+    r"uint([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=False, **kw),
+}
+
+
+def format_names() -> list[str]:
+    """Human list of the accepted format names."""
+    return ["int2..int8", "uint2..uint8", *[p for p in QUANTIZERS if not p.startswith(("int", "uint"))]]
+
+
+def quantize(x, fmt: str = "int8", **options) -> QTensor:
+    """Quantize ``x`` in the named format; see the module doc for names and options."""
+    if not isinstance(fmt, str):
+        raise ValueError(f"format={fmt!r} must be a string; allowed: {', '.join(format_names())}")
+    for pattern, factory in QUANTIZERS.items():
+        m = re.fullmatch(pattern, fmt.lower())
+        if m:
+            return factory(x, m, **options)
+    raise ValueError(f"unknown format {fmt!r}; allowed: {', '.join(format_names())}")
+
+
+__all__ = [
+    "QTensor", "QFormat", "quantize", "quantize_int", "Granularity", "PerTensor", "PerChannel",
+    "PerToken", "PerGroup", "SuperBlock", "HadamardRotation", "fwht", "snr_db", "error_stats",
+    "QUANTIZERS", "format_names",
+]
