@@ -1,0 +1,64 @@
+"""Shared helpers for benchmarks (not packaged): header, timing, JSON results.
+
+Every benchmark: checks correctness against the reference first, warms up, times,
+prints a header (device, torch version, threads, shapes) and writes JSON under
+``benchmarks/results/``. Speeds are reported as ratios against a baseline timed in
+the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (CI)")
+    p.add_argument("--out", type=Path, default=None, help="JSON result path")
+    return p
+
+
+def header(**shapes) -> dict:
+    h = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine(),
+        "cuda": torch.cuda.is_available(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **shapes,
+    }
+    print("# " + "  ".join(f"{k}={v}" for k, v in h.items()))
+    return h
+
+
+def timeit(fn, repeat: int = 10, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def write_result(name: str, data: dict, out: Path | None = None, quick: bool = False) -> Path:
+    """Write JSON to ``out`` or ``benchmarks/results/{name}[.quick].json``."""
+    path = out or RESULTS / f"{name}{'.quick' if quick else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, KLD, retrieval, error tables, memory and speed (imports lazily)."""
