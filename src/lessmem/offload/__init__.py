@@ -1,0 +1,37 @@
+"""The offload layer: tiers (device, host, disk, remote) behind one interface.
+
+- :class:`DeviceTier`, :class:`HostTier` (RAM), :class:`DiskTier` (checksummed files,
+  atomic writes, survives restarts), :class:`RedisTier` (shared store) — each with
+  ``put/get/get_async/delete/contains/keys/nbytes/capacity/stats``, LRU within a byte
+  capacity and pins for blocks that must stay (sinks, window).
+- :class:`TierStack`: placement, write-back/write-through, demotion, prefetch lateness.
+- :mod:`~lessmem.offload.serialize`: block <-> checksummed bytes (bit-exact).
+- :mod:`~lessmem.offload.hashing`: deterministic chained prefix keys.
+- :func:`parse_bytes`, :func:`parse_offload_spec`: what ``--kv-budget``/``--offload`` take.
+
+This layer imports only ``lessmem.formats`` (and torch, numpy, optionally redis).
+
+Example:
+    >>> import torch, tempfile
+    >>> from lessmem.offload import TierStack, HostTier, DiskTier
+    >>> with TierStack([HostTier(1 << 20), DiskTier(tempfile.mkdtemp())]) as s:
+    ...     _ = s.put("k", {"x": torch.ones(3)})
+    ...     print(s.get("k")["x"].tolist())
+    [1.0, 1.0, 1.0]
+"""
+
+from .disk import DiskTier
+from .hashing import layer_key, namespace, prefix_hashes
+from .memory import DeviceTier, HostTier, MemoryTier, move_block
+from .remote import RedisTier
+from .serialize import CorruptBlockError, block_nbytes, pack_block, unpack_block
+from .spec import TierSpec, parse_bytes, parse_offload_spec
+from .stack import WRITE_POLICIES, PrefetchHandle, TierStack
+from .tier import Tier, TierFullError, TierStats
+
+__all__ = [
+    "Tier", "TierStats", "TierFullError", "MemoryTier", "DeviceTier", "HostTier", "DiskTier",
+    "RedisTier", "TierStack", "PrefetchHandle", "WRITE_POLICIES", "pack_block", "unpack_block",
+    "block_nbytes", "CorruptBlockError", "prefix_hashes", "layer_key", "namespace",
+    "parse_bytes", "parse_offload_spec", "TierSpec", "move_block",
+]

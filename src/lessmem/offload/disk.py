@@ -1,0 +1,214 @@
+"""``DiskTier``: blocks as checksummed files in a directory that survives restarts.
+
+Layout: ``<path>/blocks/<key>.blk``, each file one :func:`pack_block` blob (header with
+length and blake2b digest). A put writes ``<path>/blocks/.tmp.<pid>.<n>``, fsyncs it,
+renames it over the final name and fsyncs the directory, so a reader (this process, a
+peer, or a later one after ``kill -9``) sees either the whole block or no block. The
+directory *is* the index: opening a store scans it (oldest mtime = least recently
+used) and removes temp files left by dead writers. A block that is missing, truncated
+or fails its checksum is reported as a miss with a warning (``stats.corrupt``) and moved
+aside to ``<key>.blk.corrupt`` — never returned as data. A full disk (``ENOSPC``) or a
+block over ``capacity`` raises :class:`TierFullError` after removing the temp file; no
+partial block becomes visible.
+
+Example:
+    >>> import tempfile, torch
+    >>> from lessmem.offload import DiskTier
+    >>> d = tempfile.mkdtemp()
+    >>> DiskTier(d).put("a", {"x": torch.arange(4)})
+    >>> DiskTier(d).get("a")["x"].tolist()        # a reopened store serves what it held
+    [0, 1, 2, 3]
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import time
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+from .serialize import CorruptBlockError, pack_block, unpack_block
+from .tier import Tier, TierFullError, check_key
+
+_counter = itertools.count()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier(Tier):
+    """A directory of checksummed block files; LRU within ``capacity`` bytes."""
+
+    kind = "disk"
+
+    def __init__(self, path, capacity: int | None = None, fsync: bool = True, name: str = "disk"):
+        super().__init__(name, capacity)
+        self.path = Path(path)
+        self.fsync = bool(fsync)
+        self.dir = self.path / "blocks"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"disk tier path {str(path)!r} is not a usable directory: {e}") from e
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._held = 0
+        self._scan()
+
+    # -- index ------------------------------------------------------------------------
+    def _scan(self) -> None:
+        found = []
+        for f in self.dir.iterdir():
+            name = f.name
+            if name.startswith(".tmp."):
+                pid = name.split(".")[2]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    f.unlink(missing_ok=True)  # left by a writer that died mid-write
+                continue
+            if name.endswith(".blk"):
+                try:
+                    st = f.stat()
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime_ns, name[:-4], st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._held += size
+
+    def _file(self, key: str) -> Path:
+        return self.dir / f"{key}.blk"
+
+    def _forget(self, key: str) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._held -= size
+
+    # -- interface --------------------------------------------------------------------
+    def put(self, key: str, block: dict) -> None:
+        check_key(key)
+        blob = pack_block(block, meta={"key": key})
+        n = len(blob)
+        t0 = time.perf_counter()
+        with self._lock:
+            old = self._index.get(key, 0)
+            order = [(k, s) for k, s in self._index.items() if k != key]
+            victims = self._victims(order, self._held - old, n)
+            for k in victims:
+                self._evict(k)
+        tmp = self.dir / f".tmp.{os.getpid()}.{next(_counter)}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, self._file(key))
+            if self.fsync:
+                self._fsync_dir()
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFullError(f"{self.name} tier at {self.path} is full (no space left "
+                                    f"for a {n}-byte block); nothing was written") from e
+            raise
+        with self._lock:
+            self._forget(key)
+            self._index[key] = n
+            self._held += n
+            self.stats.puts += 1
+            self._timed(False, n, t0)
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _evict(self, key: str) -> None:
+        block = self._read(key) if self.on_evict is not None else None
+        self._file(key).unlink(missing_ok=True)
+        self._forget(key)
+        self.stats.evictions += 1
+        if block is not None:
+            self.on_evict(key, block)
+
+    def _read(self, key: str) -> dict | None:
+        path = self._file(key)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(key)
+            return None
+        try:
+            block, meta = unpack_block(blob)
+            if meta.get("key") != key:
+                raise CorruptBlockError(f"file holds key {meta.get('key')!r}")
+        except CorruptBlockError as e:
+            warnings.warn(f"{self.name} tier: block {key!r} at {path} is corrupt ({e}); "
+                          "treating it as a miss", RuntimeWarning, stacklevel=3)
+            with self._lock:
+                self.stats.corrupt += 1
+                self._forget(key)
+                try:
+                    os.replace(path, path.with_suffix(".blk.corrupt"))
+                except OSError:
+                    pass
+            return None
+        with self._lock:
+            self.stats.bytes_read += len(blob)
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:  # written by a peer process after we scanned
+                self._index[key] = len(blob)
+                self._held += len(blob)
+        return block
+
+    def get(self, key: str) -> dict | None:
+        check_key(key)
+        t0 = time.perf_counter()
+        block = self._read(key)
+        with self._lock:
+            if block is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+                self.stats.read_seconds += time.perf_counter() - t0
+        return block
+
+    def delete(self, key: str) -> bool:
+        check_key(key)
+        with self._lock:
+            existed = self._file(key).exists()
+            self._file(key).unlink(missing_ok=True)
+            self._forget(key)
+            self._pinned.discard(key)
+            if existed:
+                self.stats.deletes += 1
+            return existed
+
+    def contains(self, key: str) -> bool:
+        check_key(key)
+        with self._lock:
+            if key in self._index:
+                return True
+        return self._file(key).exists()
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        return self._held

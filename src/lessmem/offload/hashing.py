@@ -1,0 +1,78 @@
+"""Deterministic chained prefix hashes: the keys under which KV blocks are shared.
+
+Block ``i`` of a token sequence (tokens ``[i*B, (i+1)*B)``) is keyed by::
+
+    ns    = blake2b-256(model_id || canonical JSON of the cache config)
+    h_0   = blake2b-256(ns  || int64-LE tokens of block 0)
+    h_i   = blake2b-256(h_{i-1} || int64-LE tokens of block i)
+
+so a key names the *whole prefix* up to the end of its block (two prompts share block
+``i`` only if they agree on every token before it), the model and the cache config.
+Nothing here uses Python's salted ``hash()``: the same inputs give the same keys in
+every process and on every machine.
+
+Example:
+    >>> from lessmem.offload.hashing import prefix_hashes, layer_key
+    >>> hs = prefix_hashes(list(range(10)), block_tokens=4, model_id="m", cache_config={"bits": 4})
+    >>> len(hs)                      # only full blocks get keys
+    2
+    >>> hs == prefix_hashes(list(range(10)) + [99], 4, "m", {"bits": 4})
+    True
+    >>> layer_key(hs[0], 3)[-4:]
+    '-L03'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+def _canon(obj):
+    if hasattr(obj, "to_dict"):
+        return _canon(obj.to_dict())
+    if isinstance(obj, Mapping):
+        return {str(k): _canon(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_canon(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if "torch.dtype" in str(type(obj)) or type(obj).__name__ == "dtype":
+        return str(obj)
+    raise ValueError(
+        f"cache_config value {obj!r} of type {type(obj).__name__} cannot be hashed; "
+        "allowed: None, bool, int, float, str, list, tuple, dict, dtype or objects with to_dict()")
+
+
+def namespace(model_id: str, cache_config: Mapping | None) -> bytes:
+    """32-byte digest of the model id and the cache config (canonical JSON, sorted keys)."""
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError(f"model_id={model_id!r} must be a non-empty string")
+    cfg = json.dumps(_canon(cache_config or {}), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(model_id.encode() + b"\0" + cfg.encode(), digest_size=32).digest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_tokens: int, model_id: str,
+                  cache_config: Mapping | None = None) -> list[str]:
+    """Hex chain hash of every *full* block of ``token_ids`` (see module doc)."""
+    if not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens={block_tokens!r} must be a positive int")
+    ids = np.asarray(list(token_ids) if not hasattr(token_ids, "tolist") else token_ids.tolist(),
+                     dtype="<i8").reshape(-1)
+    prev = namespace(model_id, cache_config)
+    out = []
+    for i in range(len(ids) // block_tokens):
+        chunk = ids[i * block_tokens:(i + 1) * block_tokens].tobytes()
+        prev = hashlib.blake2b(prev + chunk, digest_size=32).digest()
+        out.append(prev.hex())
+    return out
+
+
+def layer_key(block_hash: str, layer: int) -> str:
+    """Store key of one layer's slice of a block: ``<hash>-L<layer>``."""
+    if not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer={layer!r} must be a non-negative int")
+    return f"{block_hash}-L{layer:02d}"

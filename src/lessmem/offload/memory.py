@@ -1,0 +1,153 @@
+"""In-memory tiers: ``DeviceTier`` (where attention runs) and ``HostTier`` (CPU RAM).
+
+Both hold blocks as live tensors in an LRU ``OrderedDict`` under a byte budget; the byte
+count is the sum of the tensors held (``QTensor.nbytes`` for quantized entries), so the
+budget is checked against what is actually resident. On a CPU-only machine the device
+is the CPU and a put is zero-copy; on CUDA the device tier copies blocks into device
+memory and the host tier copies into pinned buffers while a bounded pinned pool has room
+(``pinned_pool`` bytes), pageable memory after that.
+
+Example:
+    >>> import torch
+    >>> from lessmem.offload import DeviceTier
+    >>> t = DeviceTier(capacity=512, device="cpu")
+    >>> t.put("a", {"x": torch.zeros(64)}); t.put("b", {"x": torch.ones(64)})
+    >>> t.put("c", {"x": torch.ones(64)})      # 768 > 512: evicts "a" (least recent)
+    >>> t.keys(), t.stats.evictions
+    (['b', 'c'], 1)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from lessmem.formats.qtensor import QTensor
+
+from .serialize import block_nbytes
+from .tier import Tier, check_key
+
+
+def _move(t: torch.Tensor | None, device, pin: bool) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if pin:
+        return t.detach().to("cpu").pin_memory()
+    return t.detach().to(device, non_blocking=False)
+
+
+def move_block(block: dict, device, pin: bool = False) -> dict:
+    """A copy of ``block`` with every tensor on ``device`` (pinned host memory if ``pin``)."""
+    out = {}
+    for name, v in block.items():
+        if isinstance(v, QTensor):
+            out[name] = QTensor(
+                codes=_move(v.codes, device, pin), scale=_move(v.scale, device, pin),
+                zero_point=_move(v.zero_point, device, pin), fmt=v.fmt, shape=v.shape,
+                dtype=v.dtype, meta=v.meta,
+                extra={k: _move(t, device, pin) for k, t in v.extra.items()})
+        elif isinstance(v, torch.Tensor):
+            out[name] = _move(v, device, pin)
+        else:
+            raise ValueError(f"block entry {name!r} is a {type(v).__name__}; allowed: torch.Tensor, QTensor")
+    return out
+
+
+class MemoryTier(Tier):
+    """LRU blocks of live tensors on ``device`` within ``capacity`` bytes."""
+
+    kind = "memory"
+
+    def __init__(self, name: str, capacity: int | None, device="cpu", pinned_pool: int = 0):
+        super().__init__(name, capacity)
+        self.device = torch.device(device)
+        self.pinned_pool = int(pinned_pool)
+        self.pinned_bytes = 0
+        self._blocks: OrderedDict[str, tuple[dict, int, bool]] = OrderedDict()
+        self._held = 0
+
+    def put(self, key: str, block: dict) -> None:
+        check_key(key)
+        n = block_nbytes(block)
+        t0 = time.perf_counter()
+        with self._lock:
+            old = self._blocks.get(key)
+            held = self._held - (old[1] if old else 0)
+            order = [(k, v[1]) for k, v in self._blocks.items() if k != key]
+            victims = self._victims(order, held, n)
+            pin = self.device.type == "cpu" and torch.cuda.is_available() and \
+                self.pinned_bytes + n <= self.pinned_pool
+            stored = move_block(block, self.device, pin)
+            for k in victims:
+                self._drop(k, evicted=True)
+            if key in self._blocks:
+                self._drop(key, evicted=False)
+            self._blocks[key] = (stored, n, pin)
+            self._held += n
+            self.pinned_bytes += n if pin else 0
+            self.stats.puts += 1
+            self._timed(False, n, t0)
+
+    def _drop(self, key: str, evicted: bool) -> dict:
+        block, n, pin = self._blocks.pop(key)
+        self._held -= n
+        self.pinned_bytes -= n if pin else 0
+        if evicted:
+            self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(key, block)
+        return block
+
+    def get(self, key: str) -> dict | None:
+        with self._lock:
+            entry = self._blocks.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._blocks.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.bytes_read += entry[1]
+            return entry[0]
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            if key not in self._blocks:
+                return False
+            self._drop(key, evicted=False)
+            self._pinned.discard(key)
+            self.stats.deletes += 1
+            return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return self._held
+
+
+class DeviceTier(MemoryTier):
+    """Where attention runs: CUDA memory when present (or ``device=``), else CPU RAM."""
+
+    kind = "device"
+
+    def __init__(self, capacity: int | None, device=None, name: str = "device"):
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        super().__init__(name, capacity, device=device)
+
+
+class HostTier(MemoryTier):
+    """CPU RAM; pinned buffers (up to ``pinned_pool`` bytes) when CUDA is present."""
+
+    kind = "host"
+
+    def __init__(self, capacity: int | None, pinned_pool: int = 256 << 20, name: str = "host"):
+        super().__init__(name, capacity, device="cpu", pinned_pool=pinned_pool)

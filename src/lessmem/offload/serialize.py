@@ -1,0 +1,174 @@
+"""Block serialization: a dict of tensors (or QTensors) <-> checksummed bytes.
+
+A *block* is a mapping ``name -> torch.Tensor | QTensor`` (e.g. the quantized keys and
+values of 256 tokens of one layer). On disk and in Redis it travels as::
+
+    magic   8 bytes  b"LMKVBLK1"
+    hlen    u32      length of the JSON header
+    plen    u64      length of the payload
+    digest  32 bytes blake2b-256 over (header JSON || payload)
+    header  hlen bytes of UTF-8 JSON: {"v": 1, "tensors": [...], "meta": {...}}
+    payload plen bytes: every tensor's raw bytes, each starting at a 64-byte boundary
+
+Each tensor entry records name, dtype, shape, offset and nbytes; a QTensor is stored as
+its component tensors plus its format, shape, dtype and group metadata, so
+``unpack_block(pack_block(b))`` is bit-exact. Any mismatch (magic, lengths, digest,
+table) raises :class:`CorruptBlockError` — corrupted bytes are never returned as data.
+
+Example:
+    >>> import torch
+    >>> from lessmem.offload.serialize import pack_block, unpack_block
+    >>> blob = pack_block({"k": torch.arange(6, dtype=torch.int16).reshape(2, 3)}, meta={"layer": 3})
+    >>> block, meta = unpack_block(blob)
+    >>> block["k"].tolist(), meta
+    ([[0, 1, 2], [3, 4, 5]], {'layer': 3})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Mapping
+
+import torch
+
+from lessmem.formats.granularity import Granularity, GroupMeta
+from lessmem.formats.qtensor import QFormat, QTensor
+
+MAGIC = b"LMKVBLK1"
+VERSION = 1
+_FIXED = struct.Struct("<8sIQ32s")  # magic, hlen, plen, digest
+HEADER_BYTES = _FIXED.size
+_ALIGN = 64
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+)}
+
+
+class CorruptBlockError(ValueError):
+    """The bytes of a block do not verify (bad magic, length, checksum or table)."""
+
+
+def block_nbytes(block: Mapping[str, torch.Tensor | QTensor]) -> int:
+    """Bytes held by the tensors of a block (QTensors count codes + metadata)."""
+    total = 0
+    for v in block.values():
+        total += v.nbytes if isinstance(v, QTensor) else v.numel() * v.element_size()
+    return total
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    name = str(dt).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dt} cannot be serialized; allowed: {', '.join(sorted(_DTYPES))}")
+    return name
+
+
+def _flatten(block: Mapping) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """Block -> flat (name, tensor) list + description of the QTensors in it."""
+    flat: list[tuple[str, torch.Tensor]] = []
+    qdesc: dict[str, dict] = {}
+    for name, v in block.items():
+        if not isinstance(name, str) or "#" in name:
+            raise ValueError(f"block entry name {name!r} must be a str without '#'")
+        if isinstance(v, QTensor):
+            parts = {"codes": v.codes, "scale": v.scale, "zero_point": v.zero_point}
+            parts.update({f"extra.{k}": t for k, t in v.extra.items()})
+            for p, t in parts.items():
+                if t is not None:
+                    flat.append((f"{name}#{p}", t))
+            f = v.fmt
+            qdesc[name] = {
+                "fmt": {"kind": f.kind, "bits": f.bits, "granularity": f.granularity.to_dict(),
+                        "symmetric": f.symmetric, "variant": f.variant},
+                "shape": list(v.shape), "dtype": _dtype_name(v.dtype),
+                "meta": None if v.meta is None else
+                [list(v.meta.shape), list(v.meta.perm), list(v.meta.permuted_shape)],
+                "parts": [p for p, t in parts.items() if t is not None],
+            }
+        elif isinstance(v, torch.Tensor):
+            flat.append((name, v))
+        else:
+            raise ValueError(f"block entry {name!r} is a {type(v).__name__}; allowed: torch.Tensor, QTensor")
+    return flat, qdesc
+
+
+def pack_block(block: Mapping[str, torch.Tensor | QTensor], meta: dict | None = None) -> bytes:
+    """Serialize a block (and a small JSON-able ``meta`` dict) to checksummed bytes."""
+    flat, qdesc = _flatten(block)
+    table, chunks, off = [], [], 0
+    for name, t in flat:
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        pad = (-off) % _ALIGN
+        if pad:
+            chunks.append(b"\0" * pad)
+            off += pad
+        table.append({"name": name, "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
+                      "offset": off, "nbytes": len(raw)})
+        chunks.append(raw)
+        off += len(raw)
+    header = json.dumps({"v": VERSION, "tensors": table, "q": qdesc, "meta": meta or {}},
+                        separators=(",", ":"), sort_keys=True).encode()
+    payload = b"".join(chunks)
+    digest = hashlib.blake2b(header + payload, digest_size=32).digest()
+    return _FIXED.pack(MAGIC, len(header), len(payload), digest) + header + payload
+
+
+def read_header(prefix: bytes) -> tuple[int, int, bytes]:
+    """(header length, payload length, digest) from the first ``HEADER_BYTES`` of a blob."""
+    if len(prefix) < HEADER_BYTES:
+        raise CorruptBlockError(f"block truncated: {len(prefix)} bytes < {HEADER_BYTES}-byte header")
+    magic, hlen, plen, digest = _FIXED.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad magic {magic!r}; expected {MAGIC!r}")
+    return hlen, plen, digest
+
+
+def unpack_block(blob: bytes | bytearray | memoryview) -> tuple[dict, dict]:
+    """Verify and deserialize; returns ``(block, meta)``. Raises CorruptBlockError."""
+    blob = memoryview(blob)
+    hlen, plen, digest = read_header(blob[:HEADER_BYTES])
+    if len(blob) != HEADER_BYTES + hlen + plen:
+        raise CorruptBlockError(
+            f"block length {len(blob)} != {HEADER_BYTES + hlen + plen} (header {hlen} + payload {plen})")
+    body = blob[HEADER_BYTES:]
+    if hashlib.blake2b(body, digest_size=32).digest() != digest:
+        raise CorruptBlockError("block checksum mismatch")
+    try:
+        head = json.loads(bytes(body[:hlen]))
+        if head.get("v") != VERSION:
+            raise CorruptBlockError(f"block version {head.get('v')!r}; this reader knows {VERSION}")
+        payload = bytearray(body[hlen:])  # one owned copy; tensors view into it
+        buf = torch.frombuffer(payload, dtype=torch.uint8) if plen else torch.empty(0, dtype=torch.uint8)
+        flat = {}
+        for e in head["tensors"]:
+            o, n = e["offset"], e["nbytes"]
+            if o < 0 or o + n > plen:
+                raise CorruptBlockError(f"tensor {e['name']!r} [{o}, {o + n}) outside payload of {plen}")
+            dt = _DTYPES[e["dtype"]]
+            flat[e["name"]] = buf[o:o + n].view(dt).reshape(e["shape"])
+        block: dict = {}
+        for name, t in flat.items():
+            if "#" not in name:
+                block[name] = t
+        for name, q in head["q"].items():
+            f = q["fmt"]
+            fmt = QFormat(f["kind"], f["bits"], Granularity.from_dict(f["granularity"]),
+                          f["symmetric"], f["variant"])
+            gm = None if q["meta"] is None else GroupMeta(*(tuple(x) for x in q["meta"]))
+            get = lambda p, name=name: flat.get(f"{name}#{p}")  # noqa: E731
+            block[name] = QTensor(
+                codes=get("codes"), scale=get("scale"), zero_point=get("zero_point"), fmt=fmt,
+                shape=tuple(q["shape"]), dtype=_DTYPES[q["dtype"]], meta=gm,
+                extra={p[6:]: get(p) for p in q["parts"] if p.startswith("extra.")})
+        # restore the caller's entry order
+        order = [e["name"].split("#")[0] for e in head["tensors"]]
+        block = {k: block[k] for k in dict.fromkeys(order)}
+        return block, head["meta"]
+    except CorruptBlockError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CorruptBlockError(f"block table unreadable: {e}") from e

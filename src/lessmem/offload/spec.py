@@ -1,0 +1,115 @@
+"""Parsing what users type: byte sizes (``"64MiB"``) and tier lists (``--offload``).
+
+``parse_offload_spec("host@2GiB,disk:/var/kv@20GiB,redis://127.0.0.1:6379/0")`` gives one
+:class:`TierSpec` per comma-separated entry, fastest first:
+
+- ``device[@SIZE]``                 where attention runs (CUDA memory, or RAM on CPU)
+- ``host[@SIZE]``                   CPU RAM
+- ``disk:PATH[@SIZE]``              a directory (created if missing)
+- ``redis://HOST:PORT/DB[@SIZE]``   a shared Redis store (``rediss://`` and ``unix://`` too)
+
+``@SIZE`` is a capacity in bytes (``parse_bytes`` syntax); without it the tier is
+unbounded (the device budget usually comes from ``--kv-budget``).
+
+Example:
+    >>> from lessmem.offload import parse_bytes, parse_offload_spec
+    >>> parse_bytes("64MiB"), parse_bytes("1.5 GB"), parse_bytes(4096)
+    (67108864, 1500000000, 4096)
+    >>> [(s.kind, s.target, s.capacity) for s in parse_offload_spec("host@1GiB,disk:/tmp/kv")]
+    [('host', None, 1073741824), ('disk', '/tmp/kv', None)]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
+KINDS = ("device", "host", "disk", "remote")
+
+
+def parse_bytes(text) -> int:
+    """``"64MiB"`` -> 67108864. Units: B, KB/MB/GB/TB (10^3), KiB/MiB/GiB/TiB and K/M/G/T (2^10)."""
+    if isinstance(text, bool):
+        raise ValueError(f"size {text!r} is not a byte count")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size {text!r} must be >= 0")
+        return text
+    m = _SIZE.fullmatch(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"size {text!r} is not understood; use a number with an optional unit "
+                         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, K, M, G, T), e.g. '64MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier as written on the command line: ``kind``, ``target`` (path or URL), ``capacity``."""
+
+    kind: str
+    target: str | None = None
+    capacity: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"tier kind {self.kind!r}; allowed: {', '.join(KINDS)}")
+        if self.kind in ("disk", "remote") and not self.target:
+            raise ValueError(f"a {self.kind} tier needs a {'path' if self.kind == 'disk' else 'URL'}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 0):
+            raise ValueError(f"capacity={self.capacity!r} must be a non-negative int or None")
+
+    def build(self, capacity: int | None = None):
+        """The tier object (``capacity`` overrides the spec's own)."""
+        from .disk import DiskTier
+        from .memory import DeviceTier, HostTier
+        from .remote import RedisTier
+
+        cap = self.capacity if capacity is None else capacity
+        if self.kind == "device":
+            return DeviceTier(cap)
+        if self.kind == "host":
+            return HostTier(cap)
+        if self.kind == "disk":
+            return DiskTier(self.target, cap)
+        return RedisTier(self.target, cap)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "target": self.target, "capacity": self.capacity}
+
+
+def _split_size(entry: str) -> tuple[str, int | None]:
+    if "@" in entry:
+        head, tail = entry.rsplit("@", 1)
+        try:
+            return head, parse_bytes(tail)
+        except ValueError:
+            if not entry.startswith(("redis://", "rediss://", "unix://")):
+                raise
+    return entry, None
+
+
+def parse_offload_spec(text: str) -> list[TierSpec]:
+    """``"host,disk:/path@10GiB,redis://h:6379/0"`` -> list of :class:`TierSpec` (see module doc)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"offload spec {text!r} is empty; e.g. 'host,disk:/path,redis://127.0.0.1:6379/0'")
+    out = []
+    for raw in text.split(","):
+        entry, cap = _split_size(raw.strip())
+        if entry in ("device", "host"):
+            out.append(TierSpec(entry, None, cap))
+        elif entry.startswith("disk:") and len(entry) > 5:
+            out.append(TierSpec("disk", entry[5:], cap))
+        elif entry.startswith(("redis://", "rediss://", "unix://")):
+            out.append(TierSpec("remote", entry, cap))
+        else:
+            raise ValueError(f"offload tier {raw.strip()!r} is not understood; allowed: device[@SIZE], "
+                             "host[@SIZE], disk:PATH[@SIZE], redis://HOST:PORT/DB[@SIZE]")
+    kinds = [s.kind for s in out]
+    for k in ("device", "host"):
+        if kinds.count(k) > 1:
+            raise ValueError(f"offload spec {text!r} names the {k} tier twice")
+    return out
