@@ -5,6 +5,9 @@
 - ``"int2"`` … ``"int8"`` symmetric integers, ``"uint2"`` … ``"uint8"`` asymmetric
   (options: ``granularity``, ``clip_ratio``, ``scale_dtype``)
 
+- ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q8_0"``, ``"q2_k"`` … ``"q6_k"``: GGUF
+  blocks with llama.cpp's exact byte layout (no options; see ``formats.gguf``)
+
 Further format families register themselves in ``QUANTIZERS`` on import.
 
 Example:
@@ -20,6 +23,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from .gguf import GGUF_PATTERN, dequantize_gguf, quantize_gguf, quantize_gguf_qtensor
 from .granularity import Granularity, PerChannel, PerGroup, PerTensor, PerToken, SuperBlock
 from .hadamard import HadamardRotation, fwht
 from .integer import quantize_int
@@ -31,6 +35,8 @@ QUANTIZERS: dict[str, Callable] = {
     r"int([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=True, **kw),
     r"uint([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=False, **kw),
 }
+# GGUF block formats, raw llama.cpp bytes: q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k
+QUANTIZERS[GGUF_PATTERN] = lambda x, m, **kw: quantize_gguf_qtensor(x, m.group(0), **kw)
 
 
 def format_names() -> list[str]:
@@ -52,5 +58,5 @@ def quantize(x, fmt: str = "int8", **options) -> QTensor:
 __all__ = [
     "QTensor", "QFormat", "quantize", "quantize_int", "Granularity", "PerTensor", "PerChannel",
     "PerToken", "PerGroup", "SuperBlock", "HadamardRotation", "fwht", "snr_db", "error_stats",
-    "QUANTIZERS", "format_names",
+    "QUANTIZERS", "format_names", "quantize_gguf", "dequantize_gguf",
 ]

@@ -1,0 +1,345 @@
+"""GGUF block formats with GGUF's exact byte layout (llama.cpp ``ggml-quants``).
+
+Legacy blocks of 32 (one fp16 ``d``, maybe an fp16 ``m``, then packed codes):
+
+| type | bytes/block | layout                         | decode                    | bpw    |
+|------|-------------|--------------------------------|---------------------------|--------|
+| Q4_0 | 18          | d, qs[16]                      | x = d * (q - 8)           | 4.5    |
+| Q4_1 | 20          | d, m, qs[16]                   | x = d * q + m             | 5.0    |
+| Q5_0 | 22          | d, qh[4], qs[16]               | x = d * (q - 16)          | 5.5    |
+| Q5_1 | 24          | d, m, qh[4], qs[16]            | x = d * q + m             | 6.0    |
+| Q8_0 | 34          | d, qs[32] (int8)               | x = d * q                 | 8.5    |
+
+K-quants: super-blocks of 256 elements with quantized sub-block scales (see
+``gguf_kquants``): Q2_K 84 B (2.625 bpw), Q3_K 110 B (3.4375), Q4_K 144 B (4.5),
+Q5_K 176 B (5.5), Q6_K 210 B (6.5625).
+
+Blocks run along the last dimension, which must be a multiple of the block size. The
+legacy quantizers reproduce the ``gguf`` Python package's quantizer bit for bit (same
+float32 operations in the same order); the K-quant quantizers follow llama.cpp's
+``quantize_row_qN_K_ref``. Every dequantizer does the same float32 operations as
+``gguf.quants.dequantize``, so both decode our bytes to identical floats.
+
+A QTensor of kind ``"gguf"`` holds the raw blocks as ``codes`` (uint8,
+``[rows, bytes_per_row]``) and nothing else, so ``bits_per_element`` is the GGUF bpw.
+
+Example:
+    >>> import torch
+    >>> from lessmem.formats import quantize
+    >>> qt = quantize(torch.randn(4, 256), "Q4_K")
+    >>> qt.bits_per_element, tuple(qt.codes.shape)
+    (4.5, (4, 144))
+    >>> raw = quantize_gguf(torch.randn(2, 64), "q8_0")
+    >>> raw.shape, dequantize_gguf(raw, "q8_0", (2, 64)).shape
+    ((2, 68), torch.Size([2, 64]))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import gguf_kquants as kq
+from ._checks import check_float_tensor
+from .granularity import PerGroup, SuperBlock
+from .qtensor import DEQUANTIZERS, QFormat, QTensor
+
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class GGUFType:
+    """One GGUF block type: sizes, ggml type id, nominal bits and its codec."""
+
+    name: str
+    ggml_id: int  # GGMLQuantizationType value
+    block_size: int
+    type_size: int  # bytes per block
+    bits: int
+    fp16_offsets: tuple[int, ...]  # byte offsets of the fp16 fields in a block
+    quantize_blocks: Callable[[np.ndarray], np.ndarray]  # [N, block_size] f32 -> [N, type_size] u8
+    dequantize_blocks: Callable[[np.ndarray], np.ndarray]  # [N, type_size] u8 -> [N, block_size] f32
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.type_size / self.block_size
+
+
+# ---------------------------------------------------------------- shared helpers
+
+def _fp16_bytes(v: np.ndarray) -> np.ndarray:
+    """[N] float32 -> [N, 2] little-endian fp16 bytes (round to nearest even)."""
+    return v.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _fp16_at(blocks: np.ndarray, off: int) -> np.ndarray:
+    """fp16 field at byte ``off`` of each block -> [N, 1] float32."""
+    return np.ascontiguousarray(blocks[:, off:off + 2]).view(np.float16).astype(F32)
+
+
+def _safe_inv(d: np.ndarray) -> np.ndarray:
+    """1/d in float32, 0 where d == 0 (as ggml does)."""
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, F32(0), F32(1) / d).astype(F32)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """[N, 32] codes -> [N, 16] bytes: element j in the low nibble of byte j, j+16 high."""
+    return ((q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)).astype(np.uint8)
+
+
+def _unnibble(qs: np.ndarray) -> np.ndarray:
+    """Inverse of ``_nibbles``: [N, 16] bytes -> [N, 32] codes 0..15 (uint8)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _high_bits(q: np.ndarray) -> np.ndarray:
+    """Bit 4 of each of 32 codes -> 4 bytes: element j at bit j of a little-endian u32."""
+    return np.packbits((q >> 4) & 1, axis=1, bitorder="little")
+
+
+def _unhigh_bits(qh: np.ndarray) -> np.ndarray:
+    return np.unpackbits(qh, axis=1, bitorder="little")
+
+
+def _first_absmax(blocks: np.ndarray) -> np.ndarray:
+    """The signed value of largest magnitude per row (first one on ties), [N, 1]."""
+    idx = np.abs(blocks).argmax(axis=1)[:, None]
+    return np.take_along_axis(blocks, idx, axis=1)
+
+
+def _codes_trunc(v: np.ndarray, hi: int) -> np.ndarray:
+    """C's ``MIN(hi, (uint8_t)(v))`` for v >= 0: truncate toward zero, clip."""
+    return np.minimum(np.trunc(v), F32(hi)).astype(np.uint8)
+
+
+def _round_away(v: np.ndarray) -> np.ndarray:
+    """C ``roundf``: round half away from zero, exactly (v - trunc(v) is exact in float)."""
+    t = np.trunc(v)
+    frac = np.abs(v - t)
+    return np.where(frac >= F32(0.5), t + np.sign(v), t).astype(F32)
+
+
+# ---------------------------------------------------------------- legacy quantizers
+# All arithmetic is float32; the operation order is the gguf package's (and ggml's).
+
+def _q4_0(b: np.ndarray) -> np.ndarray:
+    d = _first_absmax(b) / F32(-8)  # the extreme value maps to code 0 (q - 8 = -8)
+    q = _codes_trunc(b * _safe_inv(d) + F32(8.5), 15)
+    return np.concatenate([_fp16_bytes(d), _nibbles(q)], axis=1)
+
+
+def _q4_1(b: np.ndarray) -> np.ndarray:
+    lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
+    d = (hi - lo) / F32(15)
+    q = _codes_trunc((b - lo) * _safe_inv(d) + F32(0.5), 15)
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(lo), _nibbles(q)], axis=1)
+
+
+def _q5_0(b: np.ndarray) -> np.ndarray:
+    d = _first_absmax(b) / F32(-16)
+    q = _codes_trunc(b * _safe_inv(d) + F32(16.5), 31)
+    return np.concatenate([_fp16_bytes(d), _high_bits(q), _nibbles(q)], axis=1)
+
+
+def _q5_1(b: np.ndarray) -> np.ndarray:
+    lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
+    d = (hi - lo) / F32(31)
+    q = _codes_trunc((b - lo) * _safe_inv(d) + F32(0.5), 31)
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(lo), _high_bits(q), _nibbles(q)], axis=1)
+
+
+def _q8_0(b: np.ndarray) -> np.ndarray:
+    d = np.abs(b).max(axis=1, keepdims=True) / F32(127)
+    q = _round_away(b * _safe_inv(d)).astype(np.int8)
+    return np.concatenate([_fp16_bytes(d), q.view(np.uint8)], axis=1)
+
+
+# ---------------------------------------------------------------- legacy dequantizers
+
+def _dq4_0(r: np.ndarray) -> np.ndarray:
+    q = _unnibble(r[:, 2:18]).astype(np.int8) - np.int8(8)
+    return _fp16_at(r, 0) * q.astype(F32)
+
+
+def _dq4_1(r: np.ndarray) -> np.ndarray:
+    q = _unnibble(r[:, 4:20]).astype(F32)
+    return _fp16_at(r, 0) * q + _fp16_at(r, 2)
+
+
+def _dq5_0(r: np.ndarray) -> np.ndarray:
+    q = (_unnibble(r[:, 6:22]) | (_unhigh_bits(r[:, 2:6]) << 4)).astype(np.int8) - np.int8(16)
+    return _fp16_at(r, 0) * q.astype(F32)
+
+
+def _dq5_1(r: np.ndarray) -> np.ndarray:
+    q = (_unnibble(r[:, 8:24]) | (_unhigh_bits(r[:, 4:8]) << 4)).astype(F32)
+    return _fp16_at(r, 0) * q + _fp16_at(r, 2)
+
+
+def _dq8_0(r: np.ndarray) -> np.ndarray:
+    q = np.ascontiguousarray(r[:, 2:34]).view(np.int8).astype(F32)
+    return q * _fp16_at(r, 0)
+
+
+GGUF_TYPES: dict[str, GGUFType] = {
+    t.name: t
+    for t in (
+        GGUFType("q4_0", 2, 32, 18, 4, (0,), _q4_0, _dq4_0),
+        GGUFType("q4_1", 3, 32, 20, 4, (0, 2), _q4_1, _dq4_1),
+        GGUFType("q5_0", 6, 32, 22, 5, (0,), _q5_0, _dq5_0),
+        GGUFType("q5_1", 7, 32, 24, 5, (0, 2), _q5_1, _dq5_1),
+        GGUFType("q8_0", 8, 32, 34, 8, (0,), _q8_0, _dq8_0),
+        GGUFType("q2_k", 10, 256, 84, 2, (80, 82), kq.quantize_q2_k, kq.dequantize_q2_k),
+        GGUFType("q3_k", 11, 256, 110, 3, (108,), kq.quantize_q3_k, kq.dequantize_q3_k),
+        GGUFType("q4_k", 12, 256, 144, 4, (0, 2), kq.quantize_q4_k, kq.dequantize_q4_k),
+        GGUFType("q5_k", 13, 256, 176, 5, (0, 2), kq.quantize_q5_k, kq.dequantize_q5_k),
+        GGUFType("q6_k", 14, 256, 210, 6, (208,), kq.quantize_q6_k, kq.dequantize_q6_k),
+    )
+}
+
+
+def gguf_type(qtype) -> GGUFType:
+    """Look up a GGUF type by name ("Q4_K", "q4_k"), ggml id (12) or enum with ``.name``.
+
+    Example:
+        >>> gguf_type("Q6_K").bits_per_weight
+        6.5625
+    """
+    if isinstance(qtype, GGUFType):
+        return qtype
+    key = qtype
+    if not isinstance(qtype, (str, int)) and hasattr(qtype, "name"):
+        key = qtype.name
+    if isinstance(key, str) and key.lower() in GGUF_TYPES:
+        return GGUF_TYPES[key.lower()]
+    if isinstance(key, int) and not isinstance(key, bool):
+        for t in GGUF_TYPES.values():
+            if t.ggml_id == key:
+                return t
+    allowed = ", ".join(t.upper() for t in GGUF_TYPES)
+    raise ValueError(f"GGUF type {qtype!r} is not supported; allowed: {allowed}")
+
+
+def _as_rows(x, t: GGUFType) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise ValueError(f"x has dtype {x.dtype}; GGUF quantization needs a floating array")
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    x = check_float_tensor(x)
+    if x.ndim == 0 or x.shape[-1] % t.block_size:
+        raise ValueError(
+            f"shape {tuple(x.shape)}: the last dimension must be a multiple of the "
+            f"{t.name.upper()} block size {t.block_size}"
+        )
+    return x.detach().to("cpu", torch.float32).contiguous().numpy().reshape(-1, t.block_size)
+
+
+def quantize_gguf(x, qtype) -> np.ndarray:
+    """Quantize ``x`` to GGUF blocks; returns the raw bytes, shape ``[*x.shape[:-1], row_bytes]``.
+
+    This is what a GGUF file stores for the tensor (``gguf.quants.quantize`` gives the
+    same array for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0).
+
+    Example:
+        >>> import torch
+        >>> quantize_gguf(torch.zeros(3, 512), "Q6_K").shape
+        (3, 420)
+    """
+    t = gguf_type(qtype)
+    rows = _as_rows(x, t)
+    raw = t.quantize_blocks(rows)
+    bad = [o for o in t.fp16_offsets if not np.isfinite(_fp16_at(raw, o)).all()]
+    if bad:
+        amax = float(np.abs(rows).max())
+        raise ValueError(
+            f"values up to |x| = {amax:.4g} overflow the fp16 block scales of "
+            f"{t.name.upper()}; scale the tensor down (fp16 max is 65504)"
+        )
+    shape = tuple(x.shape)
+    return raw.reshape(*shape[:-1], shape[-1] // t.block_size * t.type_size)
+
+
+def dequantize_gguf(raw, qtype, shape) -> torch.Tensor:
+    """Decode raw GGUF blocks (ndarray, bytes or uint8 tensor) to a float32 tensor of ``shape``.
+
+    Example:
+        >>> import torch
+        >>> x = torch.randn(2, 32)
+        >>> y = dequantize_gguf(quantize_gguf(x, "q8_0"), "q8_0", x.shape)
+        >>> bool((x - y).abs().max() < 0.05)
+        True
+    """
+    t = gguf_type(qtype)
+    if isinstance(raw, torch.Tensor):
+        raw = raw.detach().cpu().contiguous().numpy()
+    elif isinstance(raw, (bytes, bytearray, memoryview)):
+        raw = np.frombuffer(raw, dtype=np.uint8)
+    if not isinstance(raw, np.ndarray):
+        raise ValueError(f"raw must be a numpy array, bytes or torch tensor, got {type(raw).__name__}")
+    shape = tuple(int(s) for s in shape)
+    numel = int(np.prod(shape)) if shape else 1
+    if not shape or shape[-1] % t.block_size:
+        raise ValueError(
+            f"shape {shape}: the last dimension must be a multiple of the "
+            f"{t.name.upper()} block size {t.block_size}"
+        )
+    want = numel // t.block_size * t.type_size
+    flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if flat.size != want:
+        raise ValueError(
+            f"raw holds {flat.size} bytes but shape {shape} in {t.name.upper()} needs {want} "
+            f"({numel // t.block_size} blocks of {t.type_size} bytes)"
+        )
+    out = t.dequantize_blocks(flat.reshape(-1, t.type_size))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=F32)).reshape(shape)
+
+
+# K-quant sub-block size and sub-scale bits (the QTensor's granularity descriptor)
+_K_SUBBLOCKS = {"q2_k": (16, 4), "q3_k": (16, 6), "q4_k": (32, 6), "q5_k": (32, 6), "q6_k": (16, 8)}
+_SYMMETRIC = ("q4_0", "q5_0", "q8_0", "q3_k", "q6_k")  # no min / zero point stored
+
+
+def quantize_gguf_qtensor(x, qtype, **options) -> QTensor:
+    """``quantize(x, "q4_k")``: a QTensor of kind "gguf" holding only the raw blocks.
+
+    Example:
+        >>> import torch
+        >>> quantize_gguf_qtensor(torch.randn(2, 256), "q2_k").bits_per_element
+        2.625
+    """
+    t = gguf_type(qtype)
+    if options:
+        raise ValueError(
+            f"GGUF format {t.name.upper()} has a fixed layout and takes no options; "
+            f"got {', '.join(sorted(options))}"
+        )
+    raw = quantize_gguf(x, t)
+    rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+    sub, sub_bits = _K_SUBBLOCKS.get(t.name, (None, None))
+    gran = PerGroup(32) if sub is None else SuperBlock(256, sub, sub_scale_bits=sub_bits)
+    fmt = QFormat(kind="gguf", bits=t.bits, granularity=gran, symmetric=t.name in _SYMMETRIC,
+                  variant=t.name)
+    return QTensor(
+        codes=torch.from_numpy(np.ascontiguousarray(rows)),
+        scale=None,
+        zero_point=None,
+        fmt=fmt,
+        shape=tuple(x.shape),
+        dtype=x.dtype if isinstance(x, torch.Tensor) else torch.float32,
+    )
+
+
+def _dequantize_qtensor(qt: QTensor) -> torch.Tensor:
+    return dequantize_gguf(qt.codes, qt.fmt.variant, qt.shape)
+
+
+DEQUANTIZERS["gguf"] = _dequantize_qtensor
+
+# regex for formats.QUANTIZERS: every GGUF type name
+GGUF_PATTERN = "|".join(GGUF_TYPES)
+
+__all__ = ["GGUF_TYPES", "GGUFType", "gguf_type", "quantize_gguf", "dequantize_gguf", "quantize_gguf_qtensor"]
