@@ -1,0 +1,164 @@
+"""Attention over a quantized KV history without inflating it (CPU fused kernel + torch fallback).
+
+``quantized_attention(q, kv, mask)`` returns ``(out, lse)`` for query rows ``q [B, Hq, Tq, D]``
+(already multiplied by the softmax scaling, and rotated if the keys were) against a
+:class:`QuantKV` history of T tokens: ``out = softmax(q·kᵀ + mask)·v`` and
+``lse = log Σ_t exp(q·k_t + mask_t)`` per row, so a caller can merge it with attention
+over full-precision tokens (sinks, window, current chunk) exactly:
+
+    lse = logaddexp(lse_a, lse_b);  out = out_a·e^(lse_a − lse) + out_b·e^(lse_b − lse)
+
+Each side (keys, values) is stored as packed code rows, fp16 scales and optional uint8
+zero points per (tg tokens × dg channels) group; dequantization is
+``x = scale · (lut[c] − z)`` (see ``lessmem.kvcache.codec`` for the layout).
+
+Paths: the C++ kernel (``attention_cpp.SOURCE``, OpenMP over batch × KV head × history
+split, flash-style online softmax, codes unpacked inside the dot product); without a
+compiler, a torch path that walks the history in chunks of 256 tokens with the same
+online softmax. ``attention_reference`` dequantizes everything (the test oracle).
+
+Example:
+    >>> import torch
+    >>> from lessmem.kernels.attention import QuantSide, QuantKV, quantized_attention
+    >>> from lessmem.kernels.attention_reference import attention_reference
+    >>> g = torch.Generator().manual_seed(0)
+    >>> side = lambda: QuantSide(torch.randint(0, 256, (1, 2, 40, 32), dtype=torch.uint8, generator=g),
+    ...                          torch.rand(1, 2, 40, 1, generator=g).half(), None, None, 4, 1, 64, 8.0)
+    >>> kv = QuantKV(side(), side())
+    >>> q = torch.randn(1, 4, 3, 64, generator=g) * 0.1
+    >>> o, lse = quantized_attention(q, kv)
+    >>> o_ref, lse_ref = attention_reference(q, kv)
+    >>> bool(torch.allclose(o, o_ref, atol=1e-4)), bool(torch.allclose(lse, lse_ref, atol=1e-4))
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ._build import load_cpp
+from .attention_cpp import SOURCE
+from .attention_reference import dequantize_side
+
+_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class QuantSide:
+    """Packed codes [B, H, T, D·bits/8] uint8, scale fp16 [B, H, T/tg, D/dg], optional
+    zero point uint8 (same shape), optional level table ``lut`` float32 [2^bits]; when
+    ``zero_point`` is None, ``zero_const`` is subtracted instead (0 for lut formats)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    lut: torch.Tensor | None
+    bits: int
+    tg: int
+    dg: int
+    zero_const: float
+
+    @property
+    def n_tokens(self) -> int:
+        return self.codes.shape[2]
+
+    def slice_tokens(self, t0: int, t1: int) -> QuantSide:
+        """The rows of tokens [t0, t1) (t0, t1 multiples of tg)."""
+        s0, s1 = t0 // self.tg, -(-t1 // self.tg)
+        zp = self.zero_point[:, :, s0:s1] if self.zero_point is not None else None
+        return QuantSide(self.codes[:, :, t0:t1], self.scale[:, :, s0:s1], zp, self.lut,
+                         self.bits, self.tg, self.dg, self.zero_const)
+
+
+@dataclass(frozen=True)
+class QuantKV:
+    """The quantized history of one layer: keys and values sides of T tokens each."""
+
+    keys: QuantSide
+    values: QuantSide
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.n_tokens
+
+
+def _module():
+    return load_cpp("lessmem_qattn", SOURCE, functions=["qattn_forward"])
+
+
+def cpp_available() -> bool:
+    """True when the compiled C++ kernel is usable (builds it on first call)."""
+    return _module() is not None
+
+
+def _n_split(B: int, H: int, T: int) -> int:
+    threads = torch.get_num_threads()
+    want = max(1, -(-4 * threads // (B * H)))
+    return max(1, min(want, T // 128 or 1))
+
+
+def _side_args(s: QuantSide):
+    empty_u8 = torch.empty(0, dtype=torch.uint8)
+    empty_f = torch.empty(0, dtype=torch.float32)
+    return (s.codes.contiguous(), s.scale.to(torch.float16).contiguous(),
+            s.zero_point.contiguous() if s.zero_point is not None else empty_u8,
+            s.lut.float().contiguous() if s.lut is not None else empty_f,
+            int(s.bits), int(s.tg), int(s.dg), float(s.zero_const))
+
+
+def _torch_path(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None):
+    B, Hq, Tq, D = q.shape
+    T = kv.n_tokens
+    rep = Hq // kv.keys.codes.shape[1]
+    step = max(_CHUNK - _CHUNK % max(kv.keys.tg, kv.values.tg), max(kv.keys.tg, kv.values.tg))
+    m = torch.full((B, Hq, Tq), float("-inf"))
+    l = torch.zeros(B, Hq, Tq)
+    acc = torch.zeros(B, Hq, Tq, D)
+    qf = q.float()
+    for t0 in range(0, T, step):  # online softmax over chunks of the history
+        t1 = min(T, t0 + step)
+        k = dequantize_side(kv.keys.slice_tokens(t0, t1), D).repeat_interleave(rep, dim=1)
+        v = dequantize_side(kv.values.slice_tokens(t0, t1), D).repeat_interleave(rep, dim=1)
+        s = qf @ k.transpose(-1, -2)
+        if mask is not None:
+            s = s + mask[:, None, :, t0:t1]
+        mnew = torch.maximum(m, s.amax(-1))
+        safe = torch.where(torch.isinf(mnew), torch.zeros_like(mnew), mnew)
+        corr = torch.exp(m - safe)
+        p = torch.exp(s - safe.unsqueeze(-1))
+        l = l * corr + p.sum(-1)
+        acc = acc * corr.unsqueeze(-1) + p @ v
+        m = mnew
+    out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
+    return out, torch.where(l > 0, m + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
+
+
+def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None = None,
+                        use_cpp: bool | None = None):
+    """(out float32 [B, Hq, Tq, D], lse float32 [B, Hq, Tq]); ``mask``: additive float
+    [B, Tq, T] (or None). ``use_cpp=None`` picks the C++ kernel on CPU when it builds."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, Hq, Tq, D], got shape {tuple(q.shape)}")
+    B, Hq, Tq, D = q.shape
+    Hkv = kv.keys.codes.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq} must be a multiple of the KV heads {Hkv}")
+    T = kv.n_tokens
+    if T == 0:
+        return torch.zeros(B, Hq, Tq, D), torch.full((B, Hq, Tq), float("-inf"))
+    if mask is not None:
+        mask = mask.float().contiguous()
+        if tuple(mask.shape) != (B, Tq, T):
+            raise ValueError(f"mask must be [B, Tq, T] = {(B, Tq, T)}, got {tuple(mask.shape)}")
+    if use_cpp is None:
+        use_cpp = q.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1"
+    mod = _module() if use_cpp and q.device.type == "cpu" else None
+    if mod is None:
+        return _torch_path(q, kv, mask)
+    m = mask if mask is not None else torch.empty(0, dtype=torch.float32)
+    out, lse = mod.qattn_forward(q.float().contiguous(), *_side_args(kv.keys),
+                                 *_side_args(kv.values), m, _n_split(B, Hkv, T))
+    return out, lse

@@ -1,0 +1,189 @@
+"""C++ source of the fused dequant-attention CPU kernel (compiled by ``_build.load_cpp``).
+
+One work item = (batch b, KV head h, split s of the history). For each tile of TILE
+tokens it unpacks each key row once (codes -> floats, vectorizable split layout),
+dequantizes ``k = scale · (lut[c] − z)``, dots it with the n_rep·Tq query rows of that
+KV head (GQA: all query heads of the group share the decoded row), then does the
+online-softmax update (flash attention: running max m, running sum l, rescale acc
+by exp(m_old − m_new)) and accumulates ``p · v`` with the value rows decoded the same
+way. Splits are merged with their log-sum-exp at the end. Nothing the size of the
+history is ever materialized in float.
+"""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+constexpr int TILE = 32;
+const float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct QSide {
+  const uint8_t* codes; const at::Half* scale; const uint8_t* zp; const float* lut;
+  int bits, tg, dg, rb;  // rb: bytes per row
+  float zc;              // constant zero (symmetric int) when zp == nullptr
+  int64_t srow;          // scale entries per scale row = D / dg
+};
+
+inline void unpack_row(const uint8_t* p, int bits, int D, float* out) {
+  if (bits == 8) { for (int d = 0; d < D; ++d) out[d] = (float)p[d]; return; }
+  if (bits == 4) {
+    const int h = D / 2;
+    for (int j = 0; j < h; ++j) { out[j] = (float)(p[j] & 15); out[j + h] = (float)(p[j] >> 4); }
+    return;
+  }
+  if (bits == 2) {
+    const int q = D / 4;
+    for (int j = 0; j < q; ++j) {
+      const uint8_t b = p[j];
+      out[j] = (float)(b & 3); out[j + q] = (float)((b >> 2) & 3);
+      out[j + 2 * q] = (float)((b >> 4) & 3); out[j + 3 * q] = (float)(b >> 6);
+    }
+    return;
+  }
+  const unsigned mask = (1u << bits) - 1;  // generic little-endian bit stream (3 bits)
+  for (int d = 0; d < D; ++d) {
+    const int bit = d * bits, byte = bit >> 3, sh = bit & 7;
+    unsigned w = p[byte];
+    if (sh + bits > 8) w |= (unsigned)p[byte + 1] << 8;
+    out[d] = (float)((w >> sh) & mask);
+  }
+}
+
+// Decoder of one (b, h) stream: caches the per-channel scale/zero of the current group.
+struct RowDecoder {
+  const QSide& q; int D; int64_t bh; int64_t T_scale_rows;
+  std::vector<float> s, z, c; int64_t cur = -1;
+  RowDecoder(const QSide& q_, int D_, int64_t bh_, int64_t rows)
+      : q(q_), D(D_), bh(bh_), T_scale_rows(rows), s(D_), z(D_), c(D_) {}
+  inline void decode(int64_t t, int64_t T, float* out) {
+    const int64_t g = t / q.tg;
+    if (g != cur) {
+      const at::Half* sp = q.scale + (bh * T_scale_rows + g) * q.srow;
+      const uint8_t* zpp = q.zp ? q.zp + (bh * T_scale_rows + g) * q.srow : nullptr;
+      for (int d = 0; d < D; ++d) {
+        const int k = d / q.dg;
+        s[d] = (float)sp[k];
+        z[d] = zpp ? (float)zpp[k] : q.zc;
+      }
+      cur = g;
+    }
+    unpack_row(q.codes + (bh * T + t) * q.rb, q.bits, D, c.data());
+    if (q.lut) { for (int d = 0; d < D; ++d) c[d] = q.lut[(int)c[d]]; }
+    for (int d = 0; d < D; ++d) out[d] = s[d] * (c[d] - z[d]);
+  }
+};
+
+QSide make_side(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& zp,
+                const torch::Tensor& lut, int64_t bits, int64_t tg, int64_t dg, double zc, int D) {
+  QSide s;
+  s.codes = codes.data_ptr<uint8_t>();
+  s.scale = scale.data_ptr<at::Half>();
+  s.zp = zp.numel() ? zp.data_ptr<uint8_t>() : nullptr;
+  s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
+  s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
+  s.rb = (int)codes.size(3); s.srow = D / dg;
+  return s;
+}
+}  // namespace
+
+std::vector<torch::Tensor> qattn_forward(
+    torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor kz, torch::Tensor klut,
+    int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
+    torch::Tensor vc, torch::Tensor vs, torch::Tensor vz, torch::Tensor vlut,
+    int64_t vbits, int64_t vtg, int64_t vdg, double vzc,
+    torch::Tensor mask, int64_t nsplit) {
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = kc.size(1), T = kc.size(2);
+  const int64_t nrep = Hq / Hkv, rows = nrep * Tq;
+  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D);
+  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D);
+  const int64_t krows = ks.size(2), vrows = vs.size(2);
+  const float* qp = q.data_ptr<float>();
+  const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
+  if (nsplit < 1) nsplit = 1;
+  const int64_t per = (T + nsplit - 1) / nsplit;
+  auto pm = torch::full({B, Hkv, nsplit, rows}, NEG_INF, torch::kFloat32);
+  auto pl = torch::zeros({B, Hkv, nsplit, rows}, torch::kFloat32);
+  auto pa = torch::zeros({B, Hkv, nsplit, rows, D}, torch::kFloat32);
+  float* pmp = pm.data_ptr<float>(); float* plp = pl.data_ptr<float>(); float* pap = pa.data_ptr<float>();
+  const int64_t items = B * Hkv * nsplit;
+
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t sp = it % nsplit, bh = it / nsplit, b = bh / Hkv, h = bh % Hkv;
+    const int64_t t0 = sp * per, t1 = std::min(T, t0 + per);
+    if (t0 >= t1) continue;
+    RowDecoder kd(K, (int)D, bh, krows), vd(V, (int)D, bh, vrows);
+    std::vector<float> kf(D), vf(D), sc(rows * TILE);
+    float* m = pmp + it * rows; float* l = plp + it * rows; float* acc = pap + it * rows * D;
+    for (int64_t ts = t0; ts < t1; ts += TILE) {
+      const int64_t n = std::min<int64_t>(TILE, t1 - ts);
+      for (int64_t i = 0; i < n; ++i) {
+        kd.decode(ts + i, T, kf.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
+          const float* qr = qp + ((b * Hq + hq) * Tq + tq) * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qr[d] * kf[d];
+          if (mp) s += mp[(b * Tq + tq) * T + ts + i];
+          sc[r * TILE + i] = s;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float mx = NEG_INF;
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[r * TILE + i]);
+        if (mx == NEG_INF) { for (int64_t i = 0; i < n; ++i) sc[r * TILE + i] = 0.f; continue; }
+        const float mnew = std::max(m[r], mx);
+        const float corr = (m[r] == NEG_INF) ? 0.f : std::exp(m[r] - mnew);
+        if (corr != 1.f) { l[r] *= corr; for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= corr; }
+        m[r] = mnew;
+        float sum = 0.f;
+        for (int64_t i = 0; i < n; ++i) { const float p = std::exp(sc[r * TILE + i] - mnew); sc[r * TILE + i] = p; sum += p; }
+        l[r] += sum;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        vd.decode(ts + i, T, vf.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const float p = sc[r * TILE + i];
+          if (p == 0.f) continue;
+          float* a = acc + r * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vf[d];
+        }
+      }
+    }
+  }
+  // merge the splits: out = Σ_s acc_s e^{m_s − M} / Σ_s l_s e^{m_s − M},  lse = M + log L
+  auto out = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
+  auto lse = torch::full({B, Hq, Tq}, NEG_INF, torch::kFloat32);
+  float* op = out.data_ptr<float>(); float* lp = lse.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
+    const int64_t b = bh / Hkv, h = bh % Hkv;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
+      float M = NEG_INF;
+      for (int64_t s = 0; s < nsplit; ++s) M = std::max(M, pmp[(bh * nsplit + s) * rows + r]);
+      if (M == NEG_INF) continue;
+      float L = 0.f;
+      float* o = op + ((b * Hq + hq) * Tq + tq) * D;
+      for (int64_t s = 0; s < nsplit; ++s) {
+        const int64_t base = (bh * nsplit + s) * rows + r;
+        if (pmp[base] == NEG_INF) continue;
+        const float w = std::exp(pmp[base] - M);
+        L += plp[base] * w;
+        const float* a = pap + base * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= L;
+      lp[(b * Hq + hq) * Tq + tq] = M + std::log(L);
+    }
+  }
+  return {out, lse};
+}
+"""

@@ -1,0 +1,237 @@
+"""KV-cache configuration: how keys and values are stored, and the named presets.
+
+A :class:`KVConfig` holds one :class:`KVTensorConfig` for keys and one for values, plus
+the parts kept in full precision (``sinks``: the first tokens; ``window``: the most
+recent tokens), the block size in which tokens leave the window, Hadamard rotation,
+layers left unquantized, and the behaviour of sliding-window layers.
+
+Granularity on a ``[B, H, T, D]`` key/value tensor (always a Granularity object):
+
+- ``PerGroup(G, axis=-2)``: per channel, one scale per G tokens of each channel
+  (KIVI keys). ``block_size`` must be a multiple of G.
+- ``PerToken()``: one scale per token vector of ``D`` elements.
+- ``PerGroup(g, axis=-1)``: per token, one scale per g channels (g divides D).
+
+Effective bits of one stored element (codes + scale + zero point, shared over the
+group of n elements): ``bits + (16 [fp16 scale] + 8 [uint8 zero point, asymmetric
+only]) / n``.
+
+Example:
+    >>> from lessmem.kvcache import KVConfig, PRESETS
+    >>> from lessmem.formats import PerGroup
+    >>> cfg = PRESETS["kivi-4"]
+    >>> cfg.keys.granularity == PerGroup(32, axis=-2), cfg.window
+    (True, 128)
+    >>> round(cfg.keys.effective_bits(64), 3)
+    4.75
+    >>> KVConfig.from_dict(cfg.to_dict()) == cfg
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from ..formats.granularity import Granularity, PerGroup, PerToken
+
+FORMATS = ("none", "int", "uint", "fp8-e4m3", "fp8-e5m2", "lm")
+SLIDING = ("exact", "quantize")
+WINDOW_DTYPES = ("fp16", "bf16", "fp32", "model")
+
+
+def _allowed_granularity() -> str:
+    return "PerGroup(G, axis=-2) (per channel, G tokens), PerToken(), PerGroup(g, axis=-1)"
+
+
+@dataclass(frozen=True)
+class KVTensorConfig:
+    """How one of keys/values is quantized: ``format``, ``bits``, ``granularity``.
+
+    ``format``: ``"none"`` (full precision), ``"int"`` (symmetric), ``"uint"``
+    (asymmetric, uint8 zero point), ``"fp8-e4m3"``/``"fp8-e5m2"`` (bits 8, scaled),
+    ``"lm"`` (Lloyd-Max codebook for a Gaussian, scaled by the group's RMS).
+
+    Example:
+        >>> from lessmem.formats import PerToken
+        >>> KVTensorConfig("uint", 4, PerToken()).effective_bits(64)
+        4.375
+    """
+
+    format: str = "uint"
+    bits: int = 4
+    granularity: Granularity = field(default_factory=PerToken)
+    clip_ratio: float = 1.0
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r}; allowed: {', '.join(FORMATS)}")
+        if self.format == "none":
+            return
+        allowed_bits = {"int": (2, 3, 4, 8), "uint": (2, 3, 4, 8), "lm": (2, 3, 4)}.get(self.format, (8,))
+        if isinstance(self.bits, bool) or self.bits not in allowed_bits:
+            raise ValueError(
+                f"bits={self.bits!r} for format {self.format!r}; allowed: "
+                f"{', '.join(map(str, allowed_bits))}"
+            )
+        g = self.granularity
+        ok = isinstance(g, PerToken) or (isinstance(g, PerGroup) and g.axis in (-1, -2))
+        if not ok:
+            raise ValueError(f"granularity={g!r}; allowed: {_allowed_granularity()}")
+        if not isinstance(self.clip_ratio, (int, float)) or not 0.5 <= self.clip_ratio <= 1.0:
+            raise ValueError(f"clip_ratio={self.clip_ratio!r}; allowed: a number in [0.5, 1.0]")
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "none"
+
+    @property
+    def per_channel(self) -> bool:
+        return isinstance(self.granularity, PerGroup) and self.granularity.axis == -2
+
+    @property
+    def has_zero_point(self) -> bool:
+        return self.format == "uint"
+
+    def group_shape(self, head_dim: int) -> tuple[int, int]:
+        """(tokens, channels) sharing one scale."""
+        g = self.granularity
+        if self.per_channel:
+            return g.size, 1
+        if isinstance(g, PerGroup):
+            return 1, g.size
+        return 1, head_dim
+
+    def effective_bits(self, head_dim: int) -> float:
+        """Stored bits per element: codes + fp16 scale + uint8 zero point per group."""
+        if not self.quantized:
+            return 16.0
+        tg, dg = self.group_shape(head_dim)
+        return self.bits + (16 + (8 if self.has_zero_point else 0)) / (tg * dg)
+
+    def to_dict(self) -> dict:
+        return {"format": self.format, "bits": self.bits,
+                "granularity": self.granularity.to_dict(), "clip_ratio": self.clip_ratio}
+
+    @staticmethod
+    def from_dict(d: dict) -> KVTensorConfig:
+        d = dict(d)
+        if isinstance(d.get("granularity"), dict):
+            d["granularity"] = Granularity.from_dict(d["granularity"])
+        return KVTensorConfig(**d)
+
+
+NONE = KVTensorConfig("none", 16)
+
+
+def _check_int(name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}={v!r}; allowed: an integer >= {lo}")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """A quantized KV-cache configuration; see the module doc.
+
+    ``layer_overrides``: ``((layer, keys, values), ...)`` gives some layers their own
+    :class:`KVTensorConfig` pair (e.g. a sensitive first layer at more bits).
+    ``skip_layers``: layers kept entirely in full precision.
+    ``sliding``: for sliding-window layers, ``"exact"`` keeps transformers' bounded
+    full-precision sliding layer; ``"quantize"`` treats them like the other layers
+    (the mask then hides what slid out).
+    ``window_dtype``: dtype of the full-precision parts (``"model"``: as computed).
+
+    Example:
+        >>> from lessmem.formats import PerToken
+        >>> KVConfig(keys=KVTensorConfig("int", 8, PerToken()), window=0).window
+        0
+        >>> KVConfig(window=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: window=-1; allowed: an integer >= 0
+    """
+
+    keys: KVTensorConfig = field(default_factory=KVTensorConfig)
+    values: KVTensorConfig = field(default_factory=KVTensorConfig)
+    window: int = 128
+    sinks: int = 4
+    block_size: int = 32
+    rotate_keys: bool = False
+    rotate_values: bool = False
+    rotation_seed: int = 0
+    skip_layers: tuple[int, ...] = ()
+    layer_overrides: tuple[tuple[int, KVTensorConfig, KVTensorConfig], ...] = ()
+    sliding: str = "exact"
+    window_dtype: str = "fp16"
+
+    def __post_init__(self):
+        for name in ("keys", "values"):
+            if not isinstance(getattr(self, name), KVTensorConfig):
+                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: a KVTensorConfig")
+        _check_int("window", self.window, 0)
+        _check_int("sinks", self.sinks, 0)
+        _check_int("block_size", self.block_size, 1)
+        if self.sliding not in SLIDING:
+            raise ValueError(f"sliding={self.sliding!r}; allowed: {', '.join(SLIDING)}")
+        if self.window_dtype not in WINDOW_DTYPES:
+            raise ValueError(f"window_dtype={self.window_dtype!r}; allowed: {', '.join(WINDOW_DTYPES)}")
+        object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        for i in self.skip_layers:
+            _check_int("skip_layers entry", i, 0)
+        ovs = tuple(tuple(o) for o in self.layer_overrides)
+        object.__setattr__(self, "layer_overrides", ovs)
+        for o in ovs:
+            if len(o) != 3 or not isinstance(o[1], KVTensorConfig) or not isinstance(o[2], KVTensorConfig):
+                raise ValueError(f"layer_overrides entry {o!r}; allowed: (layer, KVTensorConfig, KVTensorConfig)")
+            _check_int("layer_overrides layer", o[0], 0)
+        for _layer, k, v in ((None, self.keys, self.values), *ovs):
+            for t in (k, v):
+                if t.per_channel and self.block_size % t.granularity.size:
+                    raise ValueError(
+                        f"block_size={self.block_size} must be a multiple of the per-channel token "
+                        f"group {t.granularity.size}; allowed: block sizes {t.granularity.size}, "
+                        f"{2 * t.granularity.size}, ..."
+                    )
+
+    @property
+    def quantized(self) -> bool:
+        return self.keys.quantized or self.values.quantized or any(
+            k.quantized or v.quantized for _, k, v in self.layer_overrides)
+
+    def for_layer(self, layer: int) -> tuple[KVTensorConfig, KVTensorConfig]:
+        """(keys, values) config of one layer (full precision for skipped layers)."""
+        if layer in self.skip_layers:
+            return NONE, NONE
+        for i, k, v in self.layer_overrides:
+            if i == layer:
+                return k, v
+        return self.keys, self.values
+
+    def effective_bits(self, head_dim: int, num_layers: int | None = None) -> tuple[float, float]:
+        """Mean (key bits, value bits) over quantized layers (all layers when ``num_layers``)."""
+        n = num_layers or 1
+        pairs = [self.for_layer(i) for i in range(n)] if num_layers else [(self.keys, self.values)]
+        kb = sum(k.effective_bits(head_dim) for k, _ in pairs) / len(pairs)
+        vb = sum(v.effective_bits(head_dim) for _, v in pairs) / len(pairs)
+        return kb, vb
+
+    def replace(self, **changes) -> KVConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["keys"], d["values"] = self.keys.to_dict(), self.values.to_dict()
+        d["skip_layers"] = list(self.skip_layers)
+        d["layer_overrides"] = [[i, k.to_dict(), v.to_dict()] for i, k, v in self.layer_overrides]
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> KVConfig:
+        d = dict(d)
+        for name in ("keys", "values"):
+            if isinstance(d.get(name), dict):
+                d[name] = KVTensorConfig.from_dict(d[name])
+        d["skip_layers"] = tuple(d.get("skip_layers", ()))
+        d["layer_overrides"] = tuple(
+            (i, KVTensorConfig.from_dict(k), KVTensorConfig.from_dict(v))
+            for i, k, v in d.get("layer_overrides", ()))
+        return KVConfig(**d)
