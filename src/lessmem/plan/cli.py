@@ -1,0 +1,101 @@
+"""``lessmem plan``: will it fit, how fast can it be — on paper, before loading anything.
+
+Example:
+    $ lessmem plan --model llama-3-8b --context 16384 --batch 16 --kv fp16,fp8,int4 --kv-budget 4GiB
+    $ lessmem plan --model path/to/config.json --hardware rtx-4090 --weights q4_k_m --json
+"""
+
+from __future__ import annotations
+
+import json
+
+HELP = "memory, bandwidth and tier splits on paper"
+
+
+def add_arguments(p) -> None:
+    from .hardware import DEFAULT_HARDWARE
+
+    p.add_argument("--model", default="llama-3-8b",
+                   help="preset (llama-3-8b, llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, "
+                        "smollm2-135m, ...) or a path to a HF config.json")
+    p.add_argument("--context", default=None, help="tokens per request (16384 or 16k; default: the model's)")
+    p.add_argument("--batch", default="1", help="concurrent requests (default 1)")
+    p.add_argument("--kv", default=None,
+                   help="comma-separated KV precisions: fp16,bf16,fp8,int8,int4,int2, k8v4, lessmem "
+                        "presets (lessmem:int4, kivi-4, kivi-2, int4-rot) or NAME:g=32:window=128:sinks=4 "
+                        "(default fp16,fp8,int8,int4)")
+    p.add_argument("--weights", default="fp16",
+                   help="comma-separated weight formats: fp16, bf16, int8, int4-g32, uint4-g128, q4_0, "
+                        "q6_k, q4_k_m, ... (the first drives decode and hybrid rows)")
+    p.add_argument("--params", default=None, help="override the parameter count (e.g. 8e9)")
+    p.add_argument("--keep-embeddings", action="store_true", help="embeddings and output in fp16")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="hardware preset (see --list)")
+    p.add_argument("--hbm-bw", default=None, help="device memory bandwidth, e.g. 3.35TB/s")
+    p.add_argument("--hbm-capacity", default=None, help="device memory, e.g. 80GiB")
+    p.add_argument("--pcie-gen", default=None, help="PCIe generation 3..6")
+    p.add_argument("--pcie-width", default=None, help="PCIe lanes: 1, 2, 4, 8, 16")
+    p.add_argument("--pcie-bw", default=None, help="sustained host link bandwidth, e.g. 25GB/s")
+    p.add_argument("--host-ram", default=None, help="host RAM for offloaded KV, e.g. 512GiB")
+    p.add_argument("--nvme-bw", default=None, help="NVMe sustained read, e.g. 5GB/s")
+    p.add_argument("--kv-budget", default=None, help="device memory for the KV cache, e.g. 4GiB")
+    p.add_argument("--target-tps", default="25", help="target tokens/s, all requests together (default 25)")
+    p.add_argument("--buffer", default=None, help="bytes for the transfer table (default: the KV budget)")
+    p.add_argument("--json", action="store_true", help="print JSON in base units")
+    p.add_argument("--list", action="store_true", help="list model, hardware, KV and weight presets")
+
+
+def _int_opt(name, v):
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"--{name.replace('_', '-')}={v!r} must be an integer") from None
+
+
+def _list() -> str:
+    from .hardware import HARDWARE_PRESETS
+    from .kv import LESSMEM, RAW
+    from .models import MODEL_PRESETS
+    from .weights import weight_choices
+
+    lines = ["models:"]
+    lines += [f"  {m.name:14s} L {m.layers}, H_kv {m.kv_heads}, d {m.head_dim}, hidden {m.hidden}, "
+              f"{m.n_params / 1e9:.4g}B params, {m.max_context:,} ctx" for m in MODEL_PRESETS.values()]
+    lines.append("hardware:")
+    lines += [f"  {h.name:12s} {h.description}" for h in HARDWARE_PRESETS.values()]
+    lines.append("KV precisions:")
+    lines += [f"  {p.name:14s} {p.description}" for p in (*RAW.values(), *LESSMEM.values())]
+    lines.append("weight formats: " + weight_choices())
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from .planner import plan
+    from .report import render, summary
+
+    if args.list:
+        print(_list())
+        return 0
+    try:
+        tps = float(args.target_tps)
+    except ValueError:
+        raise ValueError(f"--target-tps={args.target_tps!r} must be a number of tokens/s") from None
+    p = plan(
+        args.model, context=args.context, batch=args.batch, kv=args.kv, weights=args.weights,
+        hardware=args.hardware, kv_budget=args.kv_budget, target_tps=tps, buffer=args.buffer,
+        params=args.params, keep_embeddings=args.keep_embeddings,
+        hbm_bw=args.hbm_bw, hbm_capacity=args.hbm_capacity, pcie_gen=_int_opt("pcie_gen", args.pcie_gen),
+        pcie_width=_int_opt("pcie_width", args.pcie_width), pcie_bw=args.pcie_bw, host_ram=args.host_ram,
+        nvme_bw=args.nvme_bw,
+    )
+    if args.json:
+        print(json.dumps(p, indent=2, default=float))
+        return 0
+    hw = p["hardware"]
+    print(f"{p['model']['name']} on {hw['name']}: {hw['description']}")
+    print(render(p), end="")
+    s = summary(p)
+    if s:
+        print(s)
+    return 0

@@ -1,0 +1,285 @@
+"""KV-cache bytes on paper: raw precisions and lessmem cache presets, metadata included.
+
+Per token the cache adds 2·L·H_kv·d elements (keys and values, every layer and KV
+head). At b bytes per element that is 2·L·H_kv·d·b bytes — 65,536·b for Llama-3-8B
+(L 32, H_kv 8, d 128). A quantized cache also stores, per group of elements, a scale
+(and a zero point when asymmetric), keeps the first ``sinks`` tokens and the most
+recent ``window`` tokens in full precision, and may leave whole layers unquantized.
+
+Convention: the bare names ``fp16 bf16 fp8 int8 int4 int2`` (and ``kXvY`` such as
+``k8v4``) count the codes only, as the lecture's 65,536·b does. Metadata and windows
+are counted for ``lessmem:<preset>`` names (and the unambiguous ``kivi-2``/``kivi-4``/
+``int4-rot``), or when options are given: ``int4:g=32:zp=1:window=128:sinks=4``.
+
+Groups are (tokens × channels) sharing one scale: per-token keys/values in groups of
+g channels are (1, g); KIVI keys per channel in groups of G tokens are (G, 1). Tokens
+leave the window ``block`` at a time, so the full-precision part of a request of T
+tokens is T − n_q with n_q = ⌊(T − sinks − window)⁺ / block⌋·block quantized tokens.
+
+Example:
+    >>> from lessmem.plan.kv import kv_bytes, get_kv
+    >>> from lessmem.plan.models import get_model
+    >>> m = get_model("llama-3-8b")
+    >>> kv_bytes(m, 1, 1, get_kv("fp16"))["total"]
+    131072
+    >>> kv_bytes(m, 16384, 16, get_kv("fp8"))["total"] == 16 * 2**30
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, replace
+
+QUALITY = ("reference", "near-lossless", "lossy")
+
+
+@dataclass(frozen=True)
+class KVPrecision:
+    """How one K/V element is stored, and what metadata it carries (torch-free).
+
+    ``*_group_tokens`` × ``*_group_channels`` elements share one scale (channels None =
+    the whole head_dim). Bits 16 (or 32) with no scale = unquantized.
+    """
+
+    name: str
+    k_bits: float
+    v_bits: float
+    k_group_tokens: int = 1
+    k_group_channels: int | None = None
+    v_group_tokens: int = 1
+    v_group_channels: int | None = None
+    k_scale_bytes: float = 0.0
+    v_scale_bytes: float = 0.0
+    k_zero_point_bytes: float = 0.0
+    v_zero_point_bytes: float = 0.0
+    window: int = 0
+    sinks: int = 0
+    block: int = 1
+    full_bytes: float = 2.0
+    skip_layers: int = 0
+    rotated: bool = False
+    quality: str = "lossy"
+    description: str = ""
+
+    def __post_init__(self):
+        for k in ("k_bits", "v_bits"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v <= 32:
+                raise ValueError(f"KV precision {self.name!r}: {k}={v!r}; allowed: 1 to 32 bits")
+        for k in ("k_group_tokens", "v_group_tokens", "block"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"KV precision {self.name!r}: {k}={v!r}; allowed: an integer >= 1")
+        for k in ("k_group_channels", "v_group_channels"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"KV precision {self.name!r}: {k}={v!r}; allowed: None or an integer >= 1")
+        for k in ("window", "sinks", "skip_layers"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"KV precision {self.name!r}: {k}={v!r}; allowed: an integer >= 0")
+        for k in ("k_scale_bytes", "v_scale_bytes", "k_zero_point_bytes", "v_zero_point_bytes"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"KV precision {self.name!r}: {k}={v!r}; allowed: a number >= 0")
+        if not isinstance(self.full_bytes, (int, float)) or self.full_bytes <= 0:
+            raise ValueError(f"KV precision {self.name!r}: full_bytes={self.full_bytes!r} must be > 0")
+        if self.quality not in QUALITY:
+            raise ValueError(f"KV precision {self.name!r}: quality={self.quality!r}; allowed: {QUALITY}")
+
+    @property
+    def has_metadata(self) -> bool:
+        return bool(self.k_scale_bytes or self.v_scale_bytes or self.k_zero_point_bytes
+                    or self.v_zero_point_bytes or self.window or self.sinks or self.skip_layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _groups(n_tokens: int, head_dim: int, tokens: int, channels: int | None) -> int:
+    """Scale groups covering n_tokens × head_dim elements of one head (partial groups count)."""
+    ch = head_dim if channels is None else min(channels, head_dim)
+    return math.ceil(n_tokens / tokens) * math.ceil(head_dim / ch)
+
+
+def split_tokens(context: int, p: KVPrecision) -> tuple[int, int]:
+    """(quantized tokens, full-precision tokens) of one request of ``context`` tokens."""
+    free = max(0, context - p.sinks - p.window)
+    n_q = (free // p.block) * p.block
+    return n_q, context - n_q
+
+
+def kv_bytes(model, context: int, batch: int, p: KVPrecision) -> dict:
+    """Bytes the KV cache holds for ``batch`` requests of ``context`` tokens, by part.
+
+    ``model`` needs ``layers``, ``kv_heads``, ``head_dim`` (a ModelDims or any object
+    with those attributes). Returns base units: ``codes``, ``scales`` (scales and zero
+    points), ``full`` (window, sinks and skipped layers), ``total``, ``per_request``,
+    ``per_token`` (mean over all tokens), ``fp16`` (the same cache in fp16), and the
+    effective bits of a quantized K and V element (codes + metadata).
+    """
+    for k, v in (("context", context), ("batch", batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{k}={v!r} must be a non-negative integer")
+    L, H, D = model.layers, model.kv_heads, model.head_dim
+    if p.skip_layers > L:
+        raise ValueError(f"skip_layers={p.skip_layers} exceeds the model's {L} layers")
+    Lq = L - p.skip_layers
+    n_q, n_full = split_tokens(context, p)
+    elems = H * D  # one of K or V, one layer, one token
+    # codes: [B, Lq, n_q, H, D] at k_bits and v_bits
+    codes = batch * Lq * n_q * elems * (p.k_bits + p.v_bits) / 8
+    k_meta = p.k_scale_bytes + p.k_zero_point_bytes
+    v_meta = p.v_scale_bytes + p.v_zero_point_bytes
+    scales = batch * Lq * H * (
+        _groups(n_q, D, p.k_group_tokens, p.k_group_channels) * k_meta
+        + _groups(n_q, D, p.v_group_tokens, p.v_group_channels) * v_meta)
+    full = batch * (Lq * n_full + p.skip_layers * context) * 2 * elems * p.full_bytes
+    total = codes + scales + full
+    k_elems_group = p.k_group_tokens * min(p.k_group_channels or D, D)
+    v_elems_group = p.v_group_tokens * min(p.v_group_channels or D, D)
+    tokens = batch * context
+    return {
+        "context": context, "batch": batch, "precision": p.name,
+        "quantized_tokens": n_q, "full_precision_tokens": n_full,
+        "codes": int(math.ceil(codes)), "scales": int(math.ceil(scales)), "full": int(math.ceil(full)),
+        "total": int(math.ceil(total)),
+        "per_request": int(math.ceil(total / batch)) if batch else 0,
+        "per_token": total / tokens if tokens else bytes_per_token(model, p),
+        "fp16": tokens * 2 * L * elems * 2,
+        "k_bits_effective": p.k_bits + 8 * k_meta / k_elems_group,
+        "v_bits_effective": p.v_bits + 8 * v_meta / v_elems_group,
+    }
+
+
+def bytes_per_token(model, p: KVPrecision) -> float:
+    """Marginal bytes of one more *quantized* token (metadata amortised over its group)."""
+    L, H, D = model.layers, model.kv_heads, model.head_dim
+    Lq = L - p.skip_layers
+    k_elems_group = p.k_group_tokens * min(p.k_group_channels or D, D)
+    v_elems_group = p.v_group_tokens * min(p.v_group_channels or D, D)
+    k = p.k_bits / 8 + (p.k_scale_bytes + p.k_zero_point_bytes) / k_elems_group
+    v = p.v_bits / 8 + (p.v_scale_bytes + p.v_zero_point_bytes) / v_elems_group
+    return Lq * H * D * (k + v) + p.skip_layers * 2 * H * D * p.full_bytes
+
+
+# ---------------------------------------------------------------- named precisions
+
+def _raw(name, k, v=None, quality="lossy", desc=""):
+    v = k if v is None else v
+    return KVPrecision(name, k, v, quality=quality, description=desc or f"{name}: codes only, no metadata")
+
+
+RAW: dict[str, KVPrecision] = {
+    "fp32": _raw("fp32", 32, quality="reference", desc="fp32, 4 bytes/element"),
+    "fp16": _raw("fp16", 16, quality="reference", desc="fp16, 2 bytes/element (the baseline)"),
+    "bf16": _raw("bf16", 16, quality="reference", desc="bf16, 2 bytes/element"),
+    "fp8": _raw("fp8", 8, quality="near-lossless", desc="fp8 (E4M3), 1 byte/element; lecture: <0.05% ppl"),
+    "fp8-e4m3": _raw("fp8-e4m3", 8, quality="near-lossless", desc="fp8 E4M3, 1 byte/element"),
+    "fp8-e5m2": _raw("fp8-e5m2", 8, quality="near-lossless", desc="fp8 E5M2, 1 byte/element"),
+    "int8": _raw("int8", 8, quality="near-lossless", desc="int8, 1 byte/element; lecture: ~0.1-0.3% ppl"),
+    "int4": _raw("int4", 4, desc="int4, 0.5 byte/element; lecture: 1-5% ppl without outlier protection"),
+    "int3": _raw("int3", 3, desc="int3, 3 bits/element"),
+    "int2": _raw("int2", 2, desc="int2, 0.25 byte/element"),
+}
+
+
+def _lessmem(name, kb, vb, kg=(1, None), vg=(1, None), k_zp=0.0, v_zp=0.0, rot=False, quality="lossy",
+             desc=""):
+    # lessmem.kvcache conventions: fp16 scales, uint8 zero points (asymmetric), window 128,
+    # sinks 4, tokens leave the window in blocks of 32, window/sinks in fp16.
+    return KVPrecision(name, kb, vb, kg[0], kg[1], vg[0], vg[1], 2.0, 2.0, k_zp, v_zp,
+                       window=128, sinks=4, block=32, full_bytes=2.0, rotated=rot,
+                       quality=quality, description=desc)
+
+
+# Mirrors lessmem.kvcache's presets (KVConfig); tests/plan checks the two agree when
+# the cache is importable. Names are prefixed "lessmem:" where they clash with a raw name.
+LESSMEM: dict[str, KVPrecision] = {
+    p.name: p for p in (
+        _lessmem("lessmem:fp8", 8, 8, quality="near-lossless",
+                 desc="fp8 E4M3 per-token fp16 scale, window 128, sinks 4"),
+        _lessmem("lessmem:int8", 8, 8, quality="near-lossless",
+                 desc="int8 symmetric per-token, window 128, sinks 4"),
+        _lessmem("lessmem:int4", 4, 4, (1, 32), (1, 32), 1.0, 1.0,
+                 desc="uint4 per-token groups of 32 channels, window 128, sinks 4"),
+        _lessmem("kivi-4", 4, 4, (32, 1), (1, 32), 1.0, 1.0,
+                 desc="KIVI: keys per-channel (32 tokens), values per-token (32 ch), window 128"),
+        _lessmem("kivi-2", 2, 2, (32, 1), (1, 32), 1.0, 1.0,
+                 desc="KIVI 2-bit: keys per-channel (32 tokens), values per-token (32 ch)"),
+        _lessmem("int4-rot", 4, 4, (32, 1), (1, 32), 1.0, 1.0, rot=True,
+                 desc="kivi-4 with Hadamard-rotated keys (rotation adds no bytes)"),
+    )
+}
+
+_OPT_KEYS = {
+    "g": "group", "group": "group", "kg": "k_tokens", "k_tokens": "k_tokens", "scale": "scale",
+    "zp": "zp", "window": "window", "w": "window", "sinks": "sinks", "s": "sinks",
+    "block": "block", "skip": "skip", "full": "full",
+}
+
+
+def kv_choices() -> str:
+    return (", ".join([*RAW, *LESSMEM]) + ", kXvY (e.g. k8v4), or NAME:opt=val:... with opts "
+            "g (channels per scale), kg (keys per-channel, tokens per scale), scale (bytes), "
+            "zp (bytes), window, sinks, block, skip (full-precision layers)")
+
+
+def _parse_int(name, v, spec):
+    try:
+        x = float(v)
+    except ValueError:
+        raise ValueError(f"KV option {name}={v!r} in {spec!r} is not a number; allowed: {kv_choices()}") from None
+    if name != "scale" and name != "zp" and name != "full" and x != int(x):
+        raise ValueError(f"KV option {name}={v!r} in {spec!r} must be a whole number")
+    return x
+
+
+def get_kv(spec: str | KVPrecision) -> KVPrecision:
+    """A KVPrecision from a name (see ``kv_choices()``) or a ``NAME:opt=val`` spec."""
+    if isinstance(spec, KVPrecision):
+        return spec
+    s = str(spec).strip().lower()
+    base, *opts = s.split(":") if not s.startswith("lessmem:") else ["lessmem:" + s.split(":")[1],
+                                                                   *s.split(":")[2:]]
+    if base in RAW:
+        p = RAW[base]
+    elif base in LESSMEM:
+        p = LESSMEM[base]
+    elif m := re.fullmatch(r"k(\d+)v(\d+)", base):
+        kb, vb = int(m.group(1)), int(m.group(2))
+        p = KVPrecision(base, kb, vb, quality="near-lossless" if min(kb, vb) >= 8 else "lossy",
+                        description=f"keys {kb} bits, values {vb} bits, codes only")
+    elif m := re.fullmatch(r"int([2-8])", base):
+        p = _raw(base, int(m.group(1)))
+    else:
+        raise ValueError(f"unknown KV precision {spec!r}; choose one of: {kv_choices()}")
+    if not opts:
+        return p
+    ch: dict = {"name": s}
+    for o in opts:
+        if "=" not in o:
+            raise ValueError(f"KV option {o!r} in {spec!r} needs a value (opt=val); allowed: {kv_choices()}")
+        k, v = o.split("=", 1)
+        key = _OPT_KEYS.get(k.strip())
+        if key is None:
+            raise ValueError(f"unknown KV option {k!r} in {spec!r}; allowed: {', '.join(sorted(set(_OPT_KEYS)))}")
+        x = _parse_int(key, v.strip(), spec)
+        if key == "group":
+            ch.update(k_group_channels=int(x), v_group_channels=int(x))
+            ch.setdefault("k_scale_bytes", 2.0)
+            ch.setdefault("v_scale_bytes", 2.0)
+        elif key == "k_tokens":
+            ch.update(k_group_tokens=int(x), k_group_channels=1)
+            ch.setdefault("k_scale_bytes", 2.0)
+        elif key == "scale":
+            ch.update(k_scale_bytes=x, v_scale_bytes=x)
+        elif key == "zp":
+            ch.update(k_zero_point_bytes=x, v_zero_point_bytes=x)
+        elif key == "full":
+            ch["full_bytes"] = x
+        else:
+            ch[{"skip": "skip_layers"}.get(key, key)] = int(x)
+    return replace(p, **ch)

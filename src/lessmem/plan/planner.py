@@ -1,0 +1,132 @@
+"""``plan()``: every number of the planner for one model, machine and workload, as a dict.
+
+All values are in base units — bytes, seconds, bytes/s, tokens — so scripts need no
+unit parsing; ``lessmem.plan.report`` turns the dict into tables.
+
+Example:
+    >>> from lessmem.plan import plan
+    >>> p = plan("llama-3-8b", context=16384, batch=16, kv=["fp16", "fp8", "int4"])
+    >>> [r["per_token"] for r in p["kv"]]
+    [131072.0, 65536.0, 32768.0]
+    >>> [r["total"] / 2**30 for r in p["kv"]]
+    [32.0, 16.0, 8.0]
+"""
+
+from __future__ import annotations
+
+from .hardware import DEFAULT_HARDWARE, get_hardware
+from .hybrid import choose, hybrid_row, suggestions
+from .kv import get_kv, kv_bytes
+from .models import get_model
+from .speed import decode_floor, transfer_times
+from .units import parse_bytes, parse_count, parse_rate
+
+DEFAULT_KV = ("fp16", "fp8", "int8", "int4")
+
+
+def _listify(x, default):
+    if x is None:
+        return list(default)
+    if isinstance(x, str):
+        return [s for s in (t.strip() for t in x.split(",")) if s]
+    return list(x)
+
+
+def _positive_int(name, v, allow_zero=False):
+    if isinstance(v, str):
+        v = parse_count(v, name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name}={v!r} must be a whole number")
+    if v < (0 if allow_zero else 1):
+        raise ValueError(f"{name}={v} must be {'>= 0' if allow_zero else 'a positive number of tokens' if name == 'context' else '>= 1'}")
+    return v
+
+
+def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
+         hardware=DEFAULT_HARDWARE, kv_budget=None, target_tps=25.0, buffer=None,
+         params=None, keep_embeddings=False, **hw_overrides) -> dict:
+    """Memory, bandwidth and tier split for ``batch`` requests of ``context`` tokens.
+
+    model: preset name or config.json path; kv: precisions (names or KVPrecision);
+    weights: one or more weight formats (the first drives the decode and hybrid rows);
+    hardware: preset name, with overrides ``hbm_bw``, ``hbm_capacity``, ``pcie_gen``,
+    ``pcie_width``, ``pcie_bw``, ``host_ram``, ``nvme_bw`` (numbers or "25GB/s", "80GiB");
+    kv_budget: device bytes for the KV cache (enables the hybrid section); target_tps:
+    tokens/s for all requests together; buffer: bytes for the transfer table (default:
+    the budget, else the first precision's whole cache); params: override the parameter
+    count (e.g. the lecture's round 8e9).
+    """
+    m = get_model(model)
+    if params is not None:
+        m = m.with_params(float(parse_count(params, "params")) if isinstance(params, str) and
+                          params.strip()[-1:].lower() in "km" else float(params))
+    context = m.max_context if context is None else _positive_int("context", context)
+    batch = _positive_int("batch", batch)
+    ov = {}
+    for k, v in hw_overrides.items():
+        if v is None:
+            continue
+        if k in ("hbm_bw", "pcie_bw", "nvme_bw"):
+            v = parse_rate(v, k) if isinstance(v, str) else float(v)
+            if v <= 0:
+                raise ValueError(f"{k}={v!r} must be positive")
+        elif k in ("hbm_capacity", "host_ram"):
+            v = parse_bytes(v, k)
+            if v <= 0:
+                raise ValueError(f"{k}={v!r} must be positive")
+        ov[k] = v
+    hw = get_hardware(hardware, **ov)
+    precs = [get_kv(s) for s in _listify(kv, DEFAULT_KV)]
+    if not precs:
+        raise ValueError("kv: give at least one KV precision")
+    from .weights import get_weight_format, weight_footprint
+
+    wfmts = [get_weight_format(w) for w in _listify(weights, ["fp16"])]
+    if not wfmts:
+        raise ValueError("weights: give at least one weight format")
+    if not target_tps or target_tps <= 0:
+        raise ValueError(f"target_tps={target_tps!r} must be positive")
+
+    kv_rows = []
+    for p in precs:
+        r = kv_bytes(m, context, batch, p)
+        r["per_token_bytes_raw"] = m.kv_elements_per_token * (p.k_bits + p.v_bits) / 16
+        r["compression_vs_fp16"] = r["fp16"] / r["total"] if r["total"] else None
+        r["fraction_of_fp16"] = r["total"] / r["fp16"] if r["fp16"] else None
+        r["quality"], r["description"] = p.quality, p.description
+        kv_rows.append(r)
+    w_rows = [weight_footprint(m, f, keep_embeddings) for f in wfmts]
+    w0 = w_rows[0]["bytes"]
+
+    decode = [dict(decode_floor(w["bytes"], 0, 1, hw.hbm_bw), weights=w["format"], kv=None)
+              for w in w_rows]
+    for r in kv_rows:
+        decode.append(dict(decode_floor(w0, r["per_request"], batch, hw.hbm_bw),
+                           weights=w_rows[0]["format"], kv=r["precision"]))
+    fits = [{"weights": w_rows[0]["format"], "kv": r["precision"], "bytes": w0 + r["total"],
+             "capacity": hw.hbm_capacity, "fits": w0 + r["total"] <= hw.hbm_capacity} for r in kv_rows]
+
+    budget = None if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
+    step_budget = 1.0 / target_tps
+    buf = parse_bytes(buffer, "buffer") if buffer is not None else (budget or kv_rows[0]["total"])
+    out = {
+        "model": m.to_dict(), "hardware": hw.to_dict(),
+        "inputs": {"context": context, "batch": batch, "kv": [p.name for p in precs],
+                   "weights": [f.name for f in wfmts], "kv_budget": budget, "target_tok_s": target_tps,
+                   "buffer": buf},
+        "kv": kv_rows, "weights": w_rows,
+        "transfer": {"bytes": buf, "step_budget_s": step_budget,
+                     "tiers": transfer_times(buf, hw, step_budget)},
+        "decode": decode, "fits": fits,
+    }
+    if budget is not None:
+        one = min(kv_bytes(m, 1, 1, p)["total"] for p in precs)
+        if budget < one:
+            raise ValueError(f"kv_budget={budget} bytes is below one token ({one} bytes per token at the "
+                             f"smallest precision asked); give at least {one} bytes, e.g. 4GiB")
+        rows = [hybrid_row(m, hw, p, context, batch, budget, target_tps, w0) for p in precs]
+        chosen = choose(rows)
+        out["hybrid"] = {"budget": budget, "rows": rows,
+                         "chosen": chosen["precision"] if chosen else None,
+                         "suggestions": suggestions(m, hw, rows, context, batch, budget, target_tps)}
+    return out

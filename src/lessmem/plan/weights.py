@@ -1,0 +1,207 @@
+"""Weight footprints on paper: float, integer with group scales, GGUF types and mixes.
+
+Effective bits count the metadata: b-bit codes with one s-bit scale (and a z-bit zero
+point) per group of G weights cost b + (s + z)/G bits, so int4 with an fp16 scale per 32
+weights is 4 + 16/32 = 4.5 bits. Two overhead figures, since the literature uses both:
+
+- ``scale_share``: metadata / total bits — 0.5/4.5 = 11.1% at group 32 (the lecture's
+  "scale overhead"),
+- ``scale_tax``: metadata / code bits — 2/4 = 50% at group 8 (the lecture's "50% tax").
+
+GGUF types are counted from their block layout (bytes per block / weights per block);
+mixes such as Q4_K_M follow llama.cpp's per-tensor rules (more bits for attn_v and
+ffn_down of some layers, Q6_K for the output matrix, fallbacks where a row is not a
+multiple of 256, 1-D tensors in F32).
+
+Example:
+    >>> from lessmem.plan.weights import get_weight_format
+    >>> f = get_weight_format("int4-g32")
+    >>> f.bits_per_weight, round(100 * f.scale_share, 1)
+    (4.5, 11.1)
+    >>> get_weight_format("q6_k").bits_per_weight
+    6.5625
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+# GGUF type -> (weights per block, bytes per block, code bits); checked against gguf.GGML_QUANT_SIZES
+GGUF_TYPES: dict[str, tuple[int, int, int]] = {
+    "f32": (1, 4, 32), "f16": (1, 2, 16), "bf16": (1, 2, 16),
+    "q4_0": (32, 18, 4), "q4_1": (32, 20, 4), "q5_0": (32, 22, 5), "q5_1": (32, 24, 5),
+    "q8_0": (32, 34, 8), "q2_k": (256, 84, 2), "q3_k": (256, 110, 3), "q4_k": (256, 144, 4),
+    "q5_k": (256, 176, 5), "q6_k": (256, 210, 6), "q8_k": (256, 292, 8),
+    "iq4_nl": (32, 18, 4), "iq4_xs": (256, 136, 4),
+}
+# a K-quant needs rows that are a multiple of 256; llama.cpp falls back to these
+FALLBACK = {"q2_k": "iq4_nl", "q3_k": "iq4_nl", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
+            "iq4_xs": "iq4_nl"}
+MIXES = ("q3_k_m", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a 2-D weight is stored: ``kind`` float | int | gguf | mix."""
+
+    name: str
+    kind: str
+    bits: int  # code bits
+    group: int | None = None  # weights per scale (None: none; 0: one per output row)
+    scale_bits: int = 16
+    zero_point_bits: int = 0
+    gguf_type: str | None = None
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Effective bits of one quantized weight (for per-row scales: see ``tensor_bytes``)."""
+        if self.kind == "gguf":
+            n, nbytes, _ = GGUF_TYPES[self.gguf_type]
+            return 8 * nbytes / n
+        if self.kind == "int" and self.group:
+            return self.bits + (self.scale_bits + self.zero_point_bits) / self.group
+        return float(self.bits)
+
+    @property
+    def meta_bits(self) -> float:
+        return self.bits_per_weight - self.bits
+
+    @property
+    def scale_share(self) -> float:
+        """Metadata as a fraction of all bits (11.1% for int4 g32)."""
+        return self.meta_bits / self.bits_per_weight
+
+    @property
+    def scale_tax(self) -> float:
+        """Metadata relative to the code bits (50% for int4 g8)."""
+        return self.meta_bits / self.bits
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(bits_per_weight=self.bits_per_weight, scale_share=self.scale_share,
+                 scale_tax=self.scale_tax)
+        return d
+
+
+def weight_choices() -> str:
+    return ("fp32, fp16, bf16, int8 (per-channel), intN-gG / uintN-gG (N 2..8, G weights per fp16 "
+            "scale; uint adds a zero point), GGUF types " + ", ".join(t for t in GGUF_TYPES if t[0] in "qi")
+            + ", mixes " + ", ".join(MIXES))
+
+
+def get_weight_format(spec: str | WeightFormat) -> WeightFormat:
+    """``fp16``, ``int8``, ``int4-g32``, ``uint4-g128``, ``q4_0``, ``Q4_K_M``, ..."""
+    if isinstance(spec, WeightFormat):
+        return spec
+    s = str(spec).strip().lower().replace("-", "_") if str(spec).lower().startswith(("q", "iq")) \
+        else str(spec).strip().lower()
+    if s in ("fp32", "f32"):
+        return WeightFormat("fp32", "float", 32)
+    if s in ("fp16", "f16", "bf16"):
+        return WeightFormat(s.replace("f16", "fp16").replace("bfp16", "bf16"), "float", 16)
+    if s in GGUF_TYPES:
+        return WeightFormat(s.upper(), "gguf", GGUF_TYPES[s][2], gguf_type=s)
+    if s in MIXES:
+        return WeightFormat(s.upper(), "mix", int(s[1]), gguf_type=s)
+    m = re.fullmatch(r"(u?)int([2-8])(?:[-_:]?g(?:roup)?=?(\d+|channel))?", s)
+    if m:
+        asym, bits, g = m.group(1) == "u", int(m.group(2)), m.group(3)
+        if g is None:
+            g = "channel" if bits == 8 else "32"
+        group = 0 if g == "channel" else int(g)
+        if g != "channel" and group < 1:
+            raise ValueError(f"weight format {spec!r}: group size must be >= 1")
+        name = f"{'u' if asym else ''}int{bits}-{'channel' if group == 0 else f'g{group}'}"
+        return WeightFormat(name, "int", bits, group, 16, 16 if asym else 0)
+    raise ValueError(f"unknown weight format {spec!r}; choose one of: {weight_choices()}")
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    # llama.cpp: first and last eighth of the layers, and every third layer between
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_type(mix: str, t, n_layers: int, tied: bool = False) -> str:
+    """The GGUF type llama.cpp gives tensor ``t`` (a Tensor2D) in the ``mix`` file type."""
+    base = {"q3_k_m": "q3_k", "q4_k_s": "q4_k", "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}[mix]
+    if t.rows == 1:
+        return "f32"
+    name, i = t.name, t.layer
+    typ = base
+    if name == "output" or (name == "token_embd" and tied):
+        typ = "q6_k"
+    elif name == "attn_v":
+        if mix == "q3_k_m":
+            typ = "q5_k" if i < 2 else "q4_k"
+        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n_layers):
+            typ = "q6_k"
+        elif mix == "q4_k_s" and i < 4:
+            typ = "q5_k"
+        if n_layers == 80 and typ in ("q3_k", "q4_k"):  # 70B: attn_v is 8x smaller, give it bits
+            typ = "q5_k"
+    elif name == "ffn_down":
+        if mix == "q3_k_m":
+            typ = "q5_k" if i < n_layers // 16 else "q4_k"
+        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n_layers):
+            typ = "q6_k"
+        elif mix == "q4_k_s" and i < n_layers // 8:
+            typ = "q5_k"
+    elif name == "attn_output" and mix == "q3_k_m":
+        typ = "q4_k"
+    block = GGUF_TYPES[typ][0]
+    if t.cols % block:
+        typ = FALLBACK.get(typ, typ)
+        if t.cols % GGUF_TYPES[typ][0]:
+            typ = "f16"
+    return typ
+
+
+def tensor_bytes(fmt: WeightFormat, t, n_layers: int, keep_embeddings: bool = False,
+                 tied: bool = False) -> tuple[float, str]:
+    """(bytes, storage type) of one tensor in format ``fmt``."""
+    if t.rows == 1:  # norms and biases stay in float
+        return (t.numel * 4, "f32") if fmt.kind in ("gguf", "mix") else (t.numel * 2, "fp16")
+    if keep_embeddings and t.name in ("token_embd", "output"):
+        return t.numel * 2, "fp16"
+    if fmt.kind == "float":
+        return t.numel * fmt.bits / 8, fmt.name
+    if fmt.kind == "int":
+        g = t.cols if fmt.group == 0 else fmt.group
+        groups = t.rows * math.ceil(t.cols / g)
+        return t.numel * fmt.bits / 8 + groups * (fmt.scale_bits + fmt.zero_point_bits) / 8, fmt.name
+    typ = fmt.gguf_type if fmt.kind == "gguf" else mix_type(fmt.gguf_type, t, n_layers, tied)
+    if fmt.kind == "gguf" and t.cols % GGUF_TYPES[typ][0]:
+        typ = FALLBACK.get(typ, "f16")
+        if t.cols % GGUF_TYPES[typ][0]:
+            typ = "f16"
+    n, nbytes, _ = GGUF_TYPES[typ]
+    return t.rows * math.ceil(t.cols / n) * nbytes, typ
+
+
+def weight_footprint(model, fmt: WeightFormat | str, keep_embeddings: bool = False) -> dict:
+    """Bytes of all weights of ``model`` in ``fmt``, effective bits over the model, types used.
+
+    When the model states ``params`` that differ from its shapes (e.g. the lecture's round
+    8B), the bytes are scaled to that count at the same effective bits.
+    """
+    fmt = get_weight_format(fmt)
+    total, by_type, numel = 0.0, {}, 0
+    tied = getattr(model, "tied_embeddings", False)
+    for t in model.tensors():
+        b, typ = tensor_bytes(fmt, t, model.layers, keep_embeddings, tied)
+        total += b
+        numel += t.numel
+        e = by_type.setdefault(typ, {"params": 0, "bytes": 0.0})
+        e["params"] += t.numel
+        e["bytes"] += b
+    bpw = 8 * total / numel
+    n = model.n_params
+    return {
+        "format": fmt.name, "params": n, "bytes": int(round(n * bpw / 8)), "model_bpw": bpw,
+        "format_bpw": fmt.bits_per_weight if fmt.kind != "mix" else bpw,
+        "scale_share": fmt.scale_share if fmt.kind != "mix" else None,
+        "scale_tax": fmt.scale_tax if fmt.kind != "mix" else None,
+        "fp16_bytes": int(round(n * 2)), "by_type": by_type,
+    }
