@@ -72,7 +72,8 @@ class GGUFType:
 
 def _fp16_bytes(v: np.ndarray) -> np.ndarray:
     """[N] float32 -> [N, 2] little-endian fp16 bytes (round to nearest even)."""
-    return v.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    with np.errstate(over="ignore"):  # overflow is reported by quantize_gguf
+        return v.astype(np.float16).reshape(-1, 1).view(np.uint8)
 
 
 def _fp16_at(blocks: np.ndarray, off: int) -> np.ndarray:
