@@ -54,9 +54,16 @@ class CorruptBlockError(ValueError):
 
 def block_nbytes(block: Mapping[str, torch.Tensor | QTensor]) -> int:
     """Bytes held by the tensors of a block (QTensors count codes + metadata)."""
+    if not isinstance(block, Mapping):
+        raise ValueError(f"a block is a dict of tensors, got {type(block).__name__}")
     total = 0
-    for v in block.values():
-        total += v.nbytes if isinstance(v, QTensor) else v.numel() * v.element_size()
+    for name, v in block.items():
+        if isinstance(v, QTensor):
+            total += v.nbytes
+        elif isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        else:
+            raise ValueError(f"block entry {name!r} is a {type(v).__name__}; allowed: torch.Tensor, QTensor")
     return total
 
 

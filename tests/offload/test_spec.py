@@ -1,0 +1,43 @@
+import pytest
+
+from lessmem.offload import DiskTier, HostTier, RedisTier, TierSpec, parse_bytes, parse_offload_spec
+
+
+@pytest.mark.parametrize("text,n", [("64MiB", 64 << 20), ("1.5GB", 1_500_000_000), ("512", 512),
+                                    ("2k", 2048), ("3 GiB", 3 << 30), (7, 7), ("10b", 10)])
+def test_parse_bytes(text, n):
+    assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("bad", ["", "MiB", "12 parsecs", "-1", "1e3", True, -5])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes(bad)
+
+
+def test_parse_offload_spec(tmp_path):
+    specs = parse_offload_spec(f"host@1GiB, disk:{tmp_path}/kv@10MB,redis://:pw@127.0.0.1:6379/0@2MiB")
+    assert [s.to_dict() for s in specs] == [
+        {"kind": "host", "target": None, "capacity": 1 << 30},
+        {"kind": "disk", "target": f"{tmp_path}/kv", "capacity": 10_000_000},
+        {"kind": "remote", "target": "redis://:pw@127.0.0.1:6379/0", "capacity": 2 << 20},
+    ]
+    tiers = [s.build() for s in specs]
+    assert isinstance(tiers[0], HostTier) and tiers[0].capacity == 1 << 30
+    assert isinstance(tiers[1], DiskTier) and (tmp_path / "kv" / "blocks").is_dir()
+    assert isinstance(tiers[2], RedisTier) and tiers[2].url.endswith("6379/0")
+    assert parse_offload_spec("redis://h:1/0")[0].capacity is None
+
+
+@pytest.mark.parametrize("bad,match", [("", "empty"), ("gpu", "not understood"), ("disk:", "not understood"),
+                                       ("host,host", "twice"), ("host@lots", "size")])
+def test_parse_offload_spec_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        parse_offload_spec(bad)
+
+
+def test_tierspec_validation():
+    with pytest.raises(ValueError, match="allowed: device, host, disk, remote"):
+        TierSpec("tape")
+    with pytest.raises(ValueError, match="needs a path"):
+        TierSpec("disk")
