@@ -1,0 +1,98 @@
+"""Switching a model to lessmem's fused attention, explicitly and reversibly.
+
+``enable(model)`` registers the attention function ``"lessmem"`` with transformers
+(``AttentionInterface`` and the matching SDPA-style mask in ``AttentionMaskInterface``)
+and sets the model's attention implementation to it; it returns a handle whose
+``disable()`` (or leaving the ``with`` block) restores the previous implementation.
+Nothing else about the model changes.
+
+The ``"lessmem"`` function computes attention straight from a lessmem cache layer
+(the :class:`~lessmem.kvcache.view.LayerView` that ``KVCache.update`` returns while the
+model is switched) and otherwise falls through to transformers' SDPA, so a switched
+model still works with ``DynamicCache`` or no cache at all. A :class:`KVCache` notices
+the switch by reading the model config it was built from (``_attn_implementation``):
+without ``enable`` it returns dequantized tensors (the reference path), which is
+correct with any attention implementation but inflates the history each step.
+
+Example:
+    >>> import torch, lessmem
+    >>> from lessmem.models import tiny_random
+    >>> model = tiny_random("llama")
+    >>> with lessmem.kvcache.enable(model):
+    ...     cache = lessmem.KVCache(model.config, "int4")
+    ...     out = model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+    ...     model.config._attn_implementation
+    'lessmem'
+    >>> model.config._attn_implementation
+    'sdpa'
+"""
+
+from __future__ import annotations
+
+NAME = "lessmem"
+
+
+def lessmem_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """transformers attention function: fused path for lessmem layer views, SDPA otherwise."""
+    from .view import LayerView
+
+    if isinstance(key, LayerView):
+        if kwargs.get("softcap") is not None:
+            raise ValueError("lessmem attention does not support softcap; allowed: softcap=None")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = key.attend(query, attention_mask, scale)  # [B, Hq, Tq, D]
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def register() -> None:
+    """Register ``"lessmem"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, lessmem_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+class _Switch:
+    def __init__(self, model, previous):
+        self.model, self.previous = model, previous
+
+    def disable(self) -> None:
+        """Restore the attention implementation the model had before ``enable``."""
+        _set(self.model, self.previous)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.disable()
+        return False
+
+
+def _set(model, impl) -> None:
+    try:
+        model.set_attn_implementation(impl)
+    except Exception:  # older/newer transformers: fall back to the config field
+        model.config._attn_implementation = impl
+
+
+def enable(model) -> _Switch:
+    """Run ``model``'s attention through lessmem (see module doc); returns a handle
+    with ``disable()`` that also works as a context manager."""
+    register()
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if previous == NAME:
+        return _Switch(model, previous)
+    _set(model, NAME)
+    if model.config._attn_implementation != NAME:
+        raise ValueError(f"could not switch the model's attention to {NAME!r}")
+    return _Switch(model, previous)
+
+
+def is_enabled(model_config) -> bool:
+    return getattr(model_config, "_attn_implementation", None) == NAME

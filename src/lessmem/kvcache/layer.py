@@ -1,0 +1,258 @@
+"""One layer of the quantized KV cache (a transformers ``CacheLayerMixin``).
+
+Storage, in chronological order: ``sinks`` (first tokens, full precision), the
+quantized history (append-only blocks), ``window`` (most recent tokens, full
+precision). New tokens go to the sinks until they hold ``sinks`` tokens, then to
+the window; whenever the window holds ``window + block_size`` tokens or more, its
+oldest whole blocks are quantized once and appended to the history. History codes are
+never dequantized and re-quantized.
+
+The history of a layer is kept as contiguous per-layer tensors (``history``: codes,
+scales, zero points of keys and values, tokens along dim 2) into which every block is
+appended by concatenation; ``blocks()`` returns the immutable per-block views.
+Attention reads the history through exactly one method, ``read_history()``: a tiered
+subclass (offload) overrides it (and ``_append_history``) to fetch blocks from its tiers.
+
+``update()`` returns either the dequantized keys/values (reference path: any attention
+implementation can use them) or, when the model runs lessmem's fused attention
+(``lessmem.kvcache.enable(model)``), a :class:`~lessmem.kvcache.view.LayerView` handle
+that the fused attention reads directly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..kernels.attention import QuantKV, QuantSide
+from .block import KVBlock
+from .codec import check_head_dim, encode, lut
+from .config import KVConfig, KVTensorConfig
+from .view import LayerView
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _side(spec: KVTensorConfig, codes, scale, zp, head_dim) -> QuantSide:
+    """Kernel view of one side: int/uint dequantize arithmetically (x = s·(c − z)),
+    fp8 and codebook formats through their level table (x = s·lut[c])."""
+    tg, dg = spec.group_shape(head_dim)
+    if spec.format in ("int", "uint"):
+        zc = 2.0 ** (spec.bits - 1) if spec.format == "int" else 0.0
+        return QuantSide(codes, scale, zp, None, spec.bits, tg, dg, zc)
+    return QuantSide(codes, scale, None, lut(spec, codes.device), spec.bits, tg, dg, 0.0)
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """Quantized cache layer; see the module doc. Built by :class:`~lessmem.kvcache.KVCache`."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, config: KVConfig, layer_idx: int, rotations=(None, None),
+                 fused: Callable[[], bool] = lambda: False):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.kspec, self.vspec = config.for_layer(layer_idx)
+        if self.kspec.quantized != self.vspec.quantized:
+            raise ValueError(
+                f"layer {layer_idx}: keys format {self.kspec.format!r} and values format "
+                f"{self.vspec.format!r}; allowed: both quantized or both 'none'"
+            )
+        self.quantized = self.kspec.quantized
+        self.rot_k = rotations[0] if self.quantized else None
+        self.rot_v = rotations[1] if self.quantized else None
+        self._fused = fused
+        self.reset()
+
+    # ---- state ------------------------------------------------------------------
+    def reset(self) -> None:
+        self.keys = self.values = None  # full-precision tensors of an unquantized layer
+        self.sinks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.window: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.history: dict[str, torch.Tensor] | None = None
+        self.n_history = 0
+        self.length = 0
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
+        check_head_dim(self.kspec, self.head_dim)
+        check_head_dim(self.vspec, self.head_dim)
+        wd = self.config.window_dtype
+        self.store_dtype = self.dtype if (wd == "model" or not self.quantized) else _DTYPES[wd]
+        empty = key_states.new_zeros((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.store_dtype)
+        if self.quantized:
+            self.sinks = (empty, empty.clone())
+            self.window = (empty.clone(), empty.clone())
+        else:
+            self.keys, self.values = empty, empty.clone()
+        self.is_initialized = True
+
+    # ---- transformers interface -------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self.quantized:  # behaves exactly like DynamicLayer
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.length = self.keys.shape[2]
+            return self.keys, self.values
+        view = LayerView(self.sinks, self.read_history(), self.window, (key_states, value_states),
+                         self.rot_k, self.rot_v)
+        self._append(key_states, value_states)
+        if self._fused():
+            return view, view
+        return view.materialize()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ---- append-only storage ------------------------------------------------------
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[2]
+        k, v = k.to(self.store_dtype), v.to(self.store_dtype)
+        take = max(0, min(n, self.config.sinks - self.length))
+        if take:
+            self.sinks = (torch.cat([self.sinks[0], k[:, :, :take]], 2), torch.cat([self.sinks[1], v[:, :, :take]], 2))
+        if take < n:
+            self.window = (torch.cat([self.window[0], k[:, :, take:]], 2), torch.cat([self.window[1], v[:, :, take:]], 2))
+        self.length += n
+        B = self.config.block_size
+        nblk = (self.window[0].shape[2] - self.config.window) // B
+        if nblk > 0:
+            t = nblk * B
+            wk, wv = self.window
+            self._append_history(self._encode(wk[:, :, :t], wv[:, :, :t]))
+            self.window = (wk[:, :, t:].clone(), wv[:, :, t:].clone())
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        kf, vf = k.float(), v.float()
+        if self.rot_k is not None:
+            kf = self.rot_k.rotate(kf)
+        if self.rot_v is not None:
+            vf = self.rot_v.rotate(vf)
+        ek, ev = encode(kf, self.kspec), encode(vf, self.vspec)
+        out = {"k_codes": ek.codes, "k_scale": ek.scale, "v_codes": ev.codes, "v_scale": ev.scale}
+        if ek.zero_point is not None:
+            out["k_zero_point"] = ek.zero_point
+        if ev.zero_point is not None:
+            out["v_zero_point"] = ev.zero_point
+        return out
+
+    def _append_history(self, new: dict[str, torch.Tensor]) -> None:
+        """Append encoded tokens (codes/scales/zero points, tokens along dim 2)."""
+        if self.history is None:
+            self.history = {name: t.contiguous() for name, t in new.items()}
+        else:
+            self.history = {name: torch.cat([self.history[name], t], dim=2) for name, t in new.items()}
+        self.n_history += new["k_codes"].shape[2]
+
+    def read_history(self) -> QuantKV | None:
+        """The quantized history as attention reads it (the one read point)."""
+        h = self.history
+        if h is None:
+            return None
+        D = self.head_dim
+        return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
+                       _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
+
+    def blocks(self) -> list[KVBlock]:
+        """The history as immutable blocks of ``block_size`` tokens (views, no copy)."""
+        if self.history is None:
+            return []
+        B, D = self.config.block_size, self.head_dim
+        ktg, _ = self.kspec.group_shape(D)
+        vtg, _ = self.vspec.group_shape(D)
+        out = []
+        for i in range(self.n_history // B):
+            t0, t1 = i * B, (i + 1) * B
+            parts = {}
+            for name, t in self.history.items():
+                tg = ktg if name.startswith("k_") and "codes" not in name else (
+                    vtg if name.startswith("v_") and "codes" not in name else 1)
+                parts[name] = t[:, :, t0 // tg:t1 // tg]
+            out.append(KVBlock(self.config.sinks + t0, B, parts))
+        return out
+
+    # ---- memory ------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes held by part (see ``KVCache.memory``)."""
+        def nb(t):
+            return 0 if t is None else t.numel() * t.element_size()
+
+        m = dict(codes=0, scales=0, zero_points=0, window=0, sinks=0, k_quant_bytes=0,
+                 v_quant_bytes=0, quant_elements=0, tokens=self.length)
+        if not self.is_initialized:
+            return m
+        if not self.quantized:
+            m["window"] = nb(self.keys) + nb(self.values)
+            return m
+        m["sinks"] = nb(self.sinks[0]) + nb(self.sinks[1])
+        m["window"] = nb(self.window[0]) + nb(self.window[1])
+        if self.history is not None:
+            for name, t in self.history.items():
+                part = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
+                m[part] += nb(t)
+                m["k_quant_bytes" if name.startswith("k_") else "v_quant_bytes"] += nb(t)
+            m["quant_elements"] = self.batch_size * self.num_heads * self.n_history * self.head_dim
+        return m
+
+    # ---- batch / beam operations ----------------------------------------------------
+    def _map(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        if not self.quantized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+        else:
+            self.sinks = (fn(self.sinks[0]), fn(self.sinks[1]))
+            self.window = (fn(self.window[0]), fn(self.window[1]))
+            if self.history is not None:
+                self.history = {n: fn(t) for n, t in self.history.items()}
+        self.batch_size = (self.keys if not self.quantized else self.window[0]).shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (negative count, as transformers passes
+        it) when they are still in full precision; cropping into the quantized history
+        raises ValueError (it would need re-quantization)."""
+        if tokens_to_remove > 0:
+            n = self.length - tokens_to_remove  # legacy: positive = final length
+        else:
+            n = -tokens_to_remove
+        if n <= 0 or not self.is_initialized:
+            return
+        if not self.quantized:
+            self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+            self.length -= n
+            return
+        win = self.window[0].shape[2]
+        if n > win and self.n_history:
+            raise ValueError(
+                f"cannot crop {n} tokens: only the {win} full-precision window tokens can be "
+                "removed; allowed: crop sizes up to the window length"
+            )
+        if n <= win:
+            self.window = (self.window[0][:, :, : win - n], self.window[1][:, :, : win - n])
+        else:
+            keep = self.sinks[0].shape[2] - (n - win)
+            self.window = (self.window[0][:, :, :0], self.window[1][:, :, :0])
+            self.sinks = (self.sinks[0][:, :, :keep], self.sinks[1][:, :, :keep])
+        self.length -= n

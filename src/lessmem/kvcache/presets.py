@@ -1,0 +1,65 @@
+"""Named KV-cache configurations (``lessmem presets`` lists them).
+
+Unless stated, a preset keeps the first 4 tokens (``sinks``) and the most recent 128
+(``window``) in fp16, and quantizes tokens in blocks of 32 as they leave the window.
+
+Example:
+    >>> from lessmem.kvcache.presets import PRESETS, resolve
+    >>> sorted(PRESETS)[:3]
+    ['best-2', 'best-4', 'fp16']
+    >>> resolve("int8").keys.bits
+    8
+    >>> resolve("int9")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown KV preset 'int9'; allowed: best-2, best-4, fp16, fp8, int4, int4-rot, int8, kivi-2, kivi-4
+"""
+
+from __future__ import annotations
+
+from ..formats.granularity import PerGroup, PerToken
+from .config import NONE, KVConfig, KVTensorConfig
+
+
+def _t(fmt: str, bits: int, gran=None) -> KVTensorConfig:
+    return KVTensorConfig(fmt, bits, gran if gran is not None else PerToken())
+
+
+PRESETS: dict[str, KVConfig] = {
+    # the reference: nothing quantized, stored exactly as the model computes it
+    "fp16": KVConfig(keys=NONE, values=NONE, window=0, sinks=0, window_dtype="model"),
+    "fp8": KVConfig(keys=_t("fp8-e4m3", 8), values=_t("fp8-e4m3", 8)),
+    "int8": KVConfig(keys=_t("int", 8), values=_t("int", 8)),
+    "int4": KVConfig(keys=_t("uint", 4), values=_t("uint", 4)),
+    # KIVI: keys per channel in groups of 32 tokens, values per token, window 128, no sinks
+    "kivi-4": KVConfig(keys=_t("uint", 4, PerGroup(32, axis=-2)), values=_t("uint", 4), sinks=0),
+    "kivi-2": KVConfig(keys=_t("uint", 2, PerGroup(32, axis=-2)), values=_t("uint", 2), sinks=0),
+    # QuaRot-style: Hadamard-rotated keys and values, per-token int4
+    "int4-rot": KVConfig(keys=_t("uint", 4), values=_t("uint", 4), rotate_keys=True, rotate_values=True),
+    # tuned on wiki.train (see benchmarks/results/kv_tuning.json)
+    "best-4": KVConfig(keys=_t("uint", 4, PerGroup(64, axis=-2)), values=_t("uint", 4),
+                       rotate_keys=True, block_size=64, window=96),
+    "best-2": KVConfig(keys=_t("uint", 3, PerGroup(64, axis=-2)), values=_t("uint", 2, PerGroup(32)),
+                       rotate_keys=True, rotate_values=True, block_size=64, window=96),
+}
+
+DESCRIPTIONS: dict[str, str] = {
+    "fp16": "reference: no quantization (model dtype), equals DynamicCache",
+    "fp8": "fp8-e4m3 per token, keys and values",
+    "int8": "symmetric int8 per token",
+    "int4": "asymmetric int4 per token",
+    "kivi-4": "KIVI: int4 keys per channel (32-token groups), values per token, no sinks",
+    "kivi-2": "KIVI: int2 keys per channel (32-token groups), values per token, no sinks",
+    "int4-rot": "int4 per token with Hadamard-rotated keys and values",
+    "best-4": "best 4-bit: int4 keys per channel (64 tokens) rotated, int4 values per token",
+    "best-2": "best <=3-bit: 3-bit rotated per-channel keys, 2-bit rotated values (groups of 32)",
+}
+
+
+def resolve(config) -> KVConfig:
+    """A :class:`KVConfig` from a preset name or a KVConfig (returned as is)."""
+    if isinstance(config, KVConfig):
+        return config
+    if isinstance(config, str) and config in PRESETS:
+        return PRESETS[config]
+    raise ValueError(f"unknown KV preset {config!r}; allowed: {', '.join(sorted(PRESETS))}")
