@@ -104,8 +104,7 @@ def test_malformed_config_json_subprocess(tmp_path):
 
 
 def test_plain_text_without_rich(monkeypatch):
-    from lessmem.plan import plan
-    from lessmem.plan import report
+    from lessmem.plan import plan, report
 
     monkeypatch.setitem(sys.modules, "rich.console", None)
     out = report.render(plan("llama-3-8b", context=16384, batch=16, kv="fp16,fp8", kv_budget="4GiB"))

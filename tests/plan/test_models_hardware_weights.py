@@ -5,8 +5,14 @@ import json
 import pytest
 
 from lessmem.plan import (
-    HARDWARE_PRESETS, MODEL_PRESETS, from_hf_config, get_hardware, get_model, get_weight_format,
-    pcie_bandwidth, weight_footprint,
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    from_hf_config,
+    get_hardware,
+    get_model,
+    get_weight_format,
+    pcie_bandwidth,
+    weight_footprint,
 )
 from lessmem.plan.weights import GGUF_TYPES, mix_type
 

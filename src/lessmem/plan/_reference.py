@@ -27,7 +27,7 @@ def kv_bytes_reference(model, context: int, batch: int, p) -> int:
                 tg = getattr(p, f"{kind}_group_tokens")
                 cg = getattr(p, f"{kind}_group_channels") or D
                 meta = getattr(p, f"{kind}_scale_bytes") + getattr(p, f"{kind}_zero_point_bytes")
-                for head in range(H):
+                for _head in range(H):
                     groups = set()
                     q_index = 0
                     for t in range(context):
