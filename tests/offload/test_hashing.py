@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from lessmem.formats import PerGroup
-from lessmem.offload.hashing import layer_key, namespace, prefix_hashes
+from lessmem.offload.hashing import layer_key, namespace, prefix_hashes, sequence_hash
 
 CFG = {"keys": {"bits": 4, "granularity": PerGroup(32, axis=-2)}, "window": 128}
 
@@ -50,3 +50,14 @@ def test_layer_key_and_errors():
         namespace("m", {"x": object()})
     with pytest.raises(ValueError, match="layer=-1"):
         layer_key(h, -1)
+
+
+def test_first_block_and_sequence_hash():
+    hs = prefix_hashes(range(20), 8, "m", CFG, first_block=4)
+    assert len(hs) == 3  # [0,4), [4,12), [12,20)
+    assert prefix_hashes(range(19), 8, "m", CFG, first_block=4) == hs[:2]
+    assert prefix_hashes(range(3), 8, "m", CFG, first_block=4) == []
+    assert sequence_hash(range(5), "m", CFG) != sequence_hash(range(6), "m", CFG)
+    assert sequence_hash(range(5), "m", CFG) == sequence_hash(list(range(5)), "m", CFG)
+    with pytest.raises(ValueError, match="first_block=-1"):
+        prefix_hashes(range(8), 8, "m", first_block=-1)

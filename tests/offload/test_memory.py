@@ -65,3 +65,17 @@ def test_bad_input():
         HostTier(None).put("a/b", blk(1))
     with pytest.raises(ValueError, match="allowed: torch.Tensor, QTensor"):
         HostTier(None).put("a", {"x": 3})
+
+
+def test_resize_and_peek():
+    t = HostTier(capacity=None)
+    evicted = []
+    t.on_evict = lambda k, b: evicted.append(k)
+    for i in range(4):
+        t.put(f"k{i}", blk(64, i))
+    t.pin("k0")
+    assert t.get("k1", touch=False) is not None  # a peek keeps k1 least recent
+    t.resize(600)
+    assert evicted == ["k1", "k2"] and t.keys() == ["k0", "k3"] and t.nbytes <= 600
+    with pytest.raises(ValueError, match="capacity=-3"):
+        t.resize(-3)

@@ -21,7 +21,7 @@ Example:
 """
 
 from .disk import DiskTier
-from .hashing import layer_key, namespace, prefix_hashes
+from .hashing import layer_key, namespace, prefix_hashes, sequence_hash
 from .memory import DeviceTier, HostTier, MemoryTier, move_block
 from .remote import RedisTier
 from .serialize import CorruptBlockError, block_nbytes, pack_block, unpack_block
@@ -32,6 +32,6 @@ from .tier import Tier, TierFullError, TierStats
 __all__ = [
     "Tier", "TierStats", "TierFullError", "MemoryTier", "DeviceTier", "HostTier", "DiskTier",
     "RedisTier", "TierStack", "PrefetchHandle", "WRITE_POLICIES", "pack_block", "unpack_block",
-    "block_nbytes", "CorruptBlockError", "prefix_hashes", "layer_key", "namespace",
+    "block_nbytes", "CorruptBlockError", "prefix_hashes", "sequence_hash", "layer_key", "namespace",
     "parse_bytes", "parse_offload_spec", "TierSpec", "move_block",
 ]

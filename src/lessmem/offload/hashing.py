@@ -55,20 +55,40 @@ def namespace(model_id: str, cache_config: Mapping | None) -> bytes:
     return hashlib.blake2b(model_id.encode() + b"\0" + cfg.encode(), digest_size=32).digest()
 
 
+def _ids(token_ids) -> np.ndarray:
+    seq = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+    return np.asarray(seq, dtype="<i8").reshape(-1)
+
+
 def prefix_hashes(token_ids: Sequence[int], block_tokens: int, model_id: str,
-                  cache_config: Mapping | None = None) -> list[str]:
-    """Hex chain hash of every *full* block of ``token_ids`` (see module doc)."""
+                  cache_config: Mapping | None = None, first_block: int = 0) -> list[str]:
+    """Hex chain hash of every *full* block of ``token_ids`` (see module doc).
+
+    ``first_block > 0`` makes the first block ``first_block`` tokens long (e.g. the
+    attention sinks) and the following ones ``block_tokens`` long.
+    """
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens={block_tokens!r} must be a positive int")
-    ids = np.asarray(list(token_ids) if not hasattr(token_ids, "tolist") else token_ids.tolist(),
-                     dtype="<i8").reshape(-1)
+    if not isinstance(first_block, int) or first_block < 0:
+        raise ValueError(f"first_block={first_block!r} must be a non-negative int")
+    ids = _ids(token_ids)
     prev = namespace(model_id, cache_config)
+    bounds = [0, first_block] if first_block else [0]
+    while bounds[-1] + block_tokens <= len(ids):
+        bounds.append(bounds[-1] + block_tokens)
     out = []
-    for i in range(len(ids) // block_tokens):
-        chunk = ids[i * block_tokens:(i + 1) * block_tokens].tobytes()
-        prev = hashlib.blake2b(prev + chunk, digest_size=32).digest()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if b > len(ids):
+            break
+        prev = hashlib.blake2b(prev + ids[a:b].tobytes(), digest_size=32).digest()
         out.append(prev.hex())
     return out
+
+
+def sequence_hash(token_ids: Sequence[int], model_id: str, cache_config: Mapping | None = None) -> str:
+    """Hex hash of a whole token sequence (any length), the model and the cache config."""
+    ns = namespace(model_id, cache_config)
+    return hashlib.blake2b(ns + _ids(token_ids).tobytes(), digest_size=32).hexdigest()
 
 
 def layer_key(block_hash: str, layer: int) -> str:

@@ -27,7 +27,7 @@ import torch
 from lessmem.formats.qtensor import QTensor
 
 from .serialize import block_nbytes
-from .tier import Tier, check_key
+from .tier import Tier, check_capacity, check_key
 
 
 def _move(t: torch.Tensor | None, device, pin: bool) -> torch.Tensor | None:
@@ -91,22 +91,35 @@ class MemoryTier(Tier):
             self._timed(False, n, t0)
 
     def _drop(self, key: str, evicted: bool) -> dict:
+        if evicted:  # demote first: a concurrent reader finds the block in one tier or the other
+            self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(key, self._blocks[key][0])
         block, n, pin = self._blocks.pop(key)
         self._held -= n
         self.pinned_bytes -= n if pin else 0
-        if evicted:
-            self.stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(key, block)
         return block
 
-    def get(self, key: str) -> dict | None:
+    def resize(self, capacity: int | None) -> None:
+        """Change the byte budget, evicting least-recently-used unpinned blocks to fit."""
+        with self._lock:
+            self.capacity = check_capacity(capacity)
+            if capacity is None or self._held <= capacity:
+                return
+            for k in [k for k in self._blocks if k not in self._pinned]:
+                if self._held <= capacity:
+                    break
+                self._drop(k, evicted=True)
+
+    def get(self, key: str, touch: bool = True) -> dict | None:
+        """The block (``touch=False``: without making it most recently used)."""
         with self._lock:
             entry = self._blocks.get(key)
             if entry is None:
                 self.stats.misses += 1
                 return None
-            self._blocks.move_to_end(key)
+            if touch:
+                self._blocks.move_to_end(key)
             self.stats.hits += 1
             self.stats.bytes_read += entry[1]
             return entry[0]
