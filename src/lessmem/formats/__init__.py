@@ -8,6 +8,12 @@
 - ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q8_0"``, ``"q2_k"`` … ``"q6_k"``: GGUF
   blocks with llama.cpp's exact byte layout (no options; see ``formats.gguf``)
 
+- ``"fp8-e4m3"`` (= ``"fp8-e4m3fn"``, ±448), ``"fp8-e4m3fnuz"`` (±240), ``"fp8-e5m2"``
+  (±57344), ``"fp8-e5m2fnuz"``: torch float8 codes with saturating casts (options:
+  ``granularity``, ``scale_dtype``, ``clip_ratio``, ``scaled``; see ``formats.fp8``)
+- ``"lm1"`` … ``"lm6"``: Lloyd-Max codebook indices, bit-packed (options: ``granularity``,
+  ``fit="gaussian"|"data"``, ``norm``, ``scale_dtype``, ``codebook``; see ``formats.codebook``)
+
 Further format families register themselves in ``QUANTIZERS`` on import.
 
 Example:
@@ -23,6 +29,8 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from .codebook import fit_codebook, gaussian_codebook, quantize_codebook
+from .fp8 import FP8_FORMATS, quantize_fp8
 from .gguf import GGUF_PATTERN, dequantize_gguf, quantize_gguf, quantize_gguf_qtensor
 from .granularity import Granularity, PerChannel, PerGroup, PerTensor, PerToken, SuperBlock
 from .hadamard import HadamardRotation, fwht
@@ -35,6 +43,9 @@ QUANTIZERS: dict[str, Callable] = {
     r"int([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=True, **kw),
     r"uint([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=False, **kw),
 }
+QUANTIZERS[r"fp8-(e4m3|e4m3fn|e4m3fnuz|e5m2|e5m2fnuz)"] = (
+    lambda x, m, **kw: quantize_fp8(x, m.group(1), **kw))
+QUANTIZERS[r"lm([1-6])"] = lambda x, m, **kw: quantize_codebook(x, int(m.group(1)), **kw)
 # GGUF block formats, raw llama.cpp bytes: q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k
 QUANTIZERS[GGUF_PATTERN] = lambda x, m, **kw: quantize_gguf_qtensor(x, m.group(0), **kw)
 
@@ -59,4 +70,5 @@ __all__ = [
     "QTensor", "QFormat", "quantize", "quantize_int", "Granularity", "PerTensor", "PerChannel",
     "PerToken", "PerGroup", "SuperBlock", "HadamardRotation", "fwht", "snr_db", "error_stats",
     "QUANTIZERS", "format_names", "quantize_gguf", "dequantize_gguf",
+    "quantize_fp8", "FP8_FORMATS", "quantize_codebook", "gaussian_codebook", "fit_codebook",
 ]
