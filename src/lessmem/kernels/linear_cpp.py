@@ -1,0 +1,217 @@
+"""Fused CPU dequant-matmul kernels in C++ (built once by ``_build.load_cpp``).
+
+Three kernels, each parallel over output rows with OpenMP and a vectorizable inner loop;
+the weight row is expanded to float in a thread-local buffer of one row (``K`` floats,
+in L1/L2), never written back as a float matrix:
+
+- ``int8_linear``   y[m, n] = s[n] · Σ_k x[m, k] · w[n, k]                  (w int8)
+- ``w8a8_linear``   y[m, n] = sx[m] · s[n] · Σ_k xq[m, k] · w[n, k]         (int32 sums)
+- ``lowbit_linear`` y[m, n] = Σ_g s[n, g] · (Σ_{k∈g} x[m, k] · u[n, k] − z[n, g] · Σ_{k∈g} x[m, k])
+                    with u the unsigned 2/3/4-bit codes packed by ``formats.packing.pack_bits``
+                    row-major (row n starts at byte n·K·bits/8), z the zero point in code units.
+
+When no compiler is available each function falls back to the pure-torch twin in
+``linear_reference`` (same math, slower).
+
+Example:
+    >>> import torch
+    >>> from lessmem.kernels.linear_cpp import int8_linear
+    >>> w = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    >>> s = torch.rand(16) / 100
+    >>> x = torch.randn(1, 64)
+    >>> ref = x @ (w.float() * s[:, None]).T
+    >>> bool(torch.allclose(int8_linear(x, w, s), ref, atol=1e-4))
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import linear_reference as ref
+from ._build import load_cpp
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <vector>
+#include <cstdint>
+
+static inline float dotf(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+  #pragma omp simd reduction(+:acc)
+  for (int64_t k = 0; k < n; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+  // x [M, K] float32, w [N, K] int8, scale [N] float32 -> y [M, N]
+  x = x.contiguous(); w = w.contiguous(); scale = scale.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M == 1) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const int8_t* wr = wp + n * K;
+      float acc = 0.f;
+      #pragma omp simd reduction(+:acc)
+      for (int64_t k = 0; k < K; ++k) acc += xp[k] * (float)wr[k];
+      yp[n] = acc * sp[n];
+    }
+    return y;
+  }
+  #pragma omp parallel
+  {
+    std::vector<float> buf(K);
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const int8_t* wr = wp + n * K;
+      #pragma omp simd
+      for (int64_t k = 0; k < K; ++k) buf[k] = (float)wr[k];
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dotf(xp + m * K, buf.data(), K) * sp[n];
+    }
+  }
+  return y;
+}
+
+torch::Tensor w8a8_linear(torch::Tensor xq, torch::Tensor sx, torch::Tensor w, torch::Tensor scale) {
+  // xq [M, K] int8, sx [M] float32, w [N, K] int8, scale [N] float32 -> y [M, N] float32
+  xq = xq.contiguous(); w = w.contiguous(); sx = sx.contiguous(); scale = scale.contiguous();
+  const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, sx.options());
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sxp = sx.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  #pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const int8_t* wr = wp + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = xp + m * K;
+      int32_t acc = 0;
+      #pragma omp simd reduction(+:acc)
+      for (int64_t k = 0; k < K; ++k) acc += (int32_t)xr[k] * (int32_t)wr[k];
+      yp[m * N + n] = (float)acc * sxp[m] * sp[n];
+    }
+  }
+  return y;
+}
+
+template <int BITS>
+static inline void unpack_row(const uint8_t* src, float* dst, int64_t K) {
+  if (BITS == 4) {
+    #pragma omp simd
+    for (int64_t j = 0; j < K / 2; ++j) {
+      const uint8_t b = src[j];
+      dst[2 * j] = (float)(b & 15); dst[2 * j + 1] = (float)(b >> 4);
+    }
+  } else if (BITS == 2) {
+    #pragma omp simd
+    for (int64_t j = 0; j < K / 4; ++j) {
+      const uint8_t b = src[j];
+      dst[4 * j] = (float)(b & 3); dst[4 * j + 1] = (float)((b >> 2) & 3);
+      dst[4 * j + 2] = (float)((b >> 4) & 3); dst[4 * j + 3] = (float)(b >> 6);
+    }
+  } else {  // 3 bits: 8 codes in 3 bytes, little-endian bit stream
+    #pragma omp simd
+    for (int64_t j = 0; j < K / 8; ++j) {
+      const uint32_t v = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) | ((uint32_t)src[3 * j + 2] << 16);
+      for (int i = 0; i < 8; ++i) dst[8 * j + i] = (float)((v >> (3 * i)) & 7);
+    }
+  }
+}
+
+template <int BITS>
+static void lowbit_impl(const float* xp, const uint8_t* cp, const float* sp, const float* zp,
+                        const float* xsum, float* yp, int64_t M, int64_t N, int64_t K, int64_t gs) {
+  const int64_t G = K / gs, row_bytes = K * BITS / 8;
+  #pragma omp parallel
+  {
+    std::vector<float> buf(K);
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      unpack_row<BITS>(cp + n * row_bytes, buf.data(), K);
+      const float* s = sp + n * G;
+      const float* z = zp + n * G;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xp + m * K;
+        const float* xs = xsum + m * G;
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g)
+          acc += s[g] * (dotf(xr + g * gs, buf.data() + g * gs, gs) - z[g] * xs[g]);
+        yp[m * N + n] = acc;
+      }
+    }
+  }
+}
+
+torch::Tensor lowbit_linear(torch::Tensor x, torch::Tensor codes, int64_t bits, torch::Tensor scale,
+                            torch::Tensor zero, int64_t group_size) {
+  // x [M, K] float32, codes packed uint8 (N*K*bits/8), scale/zero [N, K/group_size] float32
+  x = x.contiguous(); codes = codes.contiguous(); scale = scale.contiguous(); zero = zero.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  auto xsum = x.view({M, K / group_size, group_size}).sum(-1).contiguous();  // [M, G]
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  if (bits == 2) lowbit_impl<2>(xp, cp, scale.data_ptr<float>(), zero.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr<float>(), M, N, K, group_size);
+  else if (bits == 3) lowbit_impl<3>(xp, cp, scale.data_ptr<float>(), zero.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr<float>(), M, N, K, group_size);
+  else lowbit_impl<4>(xp, cp, scale.data_ptr<float>(), zero.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr<float>(), M, N, K, group_size);
+  return y;
+}
+"""
+
+_FUNCS = ["int8_linear", "w8a8_linear", "lowbit_linear"]
+
+
+def _mod():
+    return load_cpp("lessmem_linear", _SOURCE, _FUNCS)
+
+
+def available() -> bool:
+    """True when the C++ kernels compiled (else the torch twins are used)."""
+    return _mod() is not None
+
+
+def _2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).float().contiguous()
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ (scale[:, None] · w).T`` with w int8 [N, K], scale [N] (fp32 out)."""
+    m = _mod()
+    x2 = _2d(x)
+    if m is None:
+        y = ref.int8_linear_ref(x2, w, scale)
+    else:
+        y = m.int8_linear(x2, w, scale.float())
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def w8a8_linear(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(sx · xq) @ (scale · w).T`` for int8 xq [M, K], sx [M], w [N, K], scale [N]."""
+    m = _mod()
+    if m is None:
+        return ref.w8a8_linear_ref(xq, sx, w, scale)
+    return m.w8a8_linear(xq, sx.float(), w, scale.float())
+
+
+def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
+                  zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Group-wise 2/3/4-bit dequant-matmul (see the module doc for the formula)."""
+    if bits not in (2, 3, 4):
+        raise ValueError(f"lowbit_linear bits={bits!r}; allowed: 2, 3, 4")
+    n, k = scale.shape[0], x.shape[-1]
+    if k % group_size or k % 8:
+        raise ValueError(f"in_features={k} must be a multiple of group_size={group_size} and of 8")
+    m = _mod()
+    x2 = _2d(x)
+    if m is None:
+        y = ref.lowbit_linear_ref(x2, codes, bits, scale, zero, group_size)
+    else:
+        y = m.lowbit_linear(x2, codes, bits, scale.float(), zero.float(), group_size)
+    return y.view(*x.shape[:-1], n)

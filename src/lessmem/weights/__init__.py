@@ -1,0 +1,21 @@
+"""Weight quantization: which weights get quantized and how the codes are chosen.
+
+RTN, GPTQ, AWQ and SmoothQuant (W8A8) behind one call, ``quantize_``, which replaces
+``nn.Linear`` modules by ``QuantLinear`` (fused dequant-matmul kernels); checkpoints
+(``save_quantized`` / ``checkpoint.load_quantized``) and GGUF export.
+
+Example:
+    >>> import lessmem
+    >>> from lessmem.models import tiny_random
+    >>> model = tiny_random("llama")
+    >>> _ = lessmem.quantize_(model, lessmem.RTNConfig(bits=4, group_size=64), progress=False)
+    >>> model.model.layers[0].self_attn.q_proj.bits
+    4
+"""
+
+from .apply import quantize_
+from .config import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig, WeightConfig
+from .qlinear import QuantLinear
+
+__all__ = ["quantize_", "QuantLinear", "WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig",
+           "SmoothQuantConfig"]

@@ -1,0 +1,132 @@
+"""``quantize_(model, config, calibration=None, filter_fn=None)``: replace ``nn.Linear``
+modules by ``QuantLinear`` in place.
+
+RTN visits every linear on its own. Calibrated methods (GPTQ, AWQ, SmoothQuant) go
+block by block: capture the first block's inputs once, then for each decoder block
+observe its linears' inputs, solve, replace, and run the quantized block to produce the
+next block's inputs. Linears outside the blocks (``lm_head`` unless skipped) get RTN.
+
+Which linears: ``config.skip`` / ``config.overrides`` (name patterns) and ``filter_fn(name,
+module) -> bool`` (False keeps the module in full precision).
+
+Example:
+    >>> import torch, lessmem
+    >>> from lessmem.models import tiny_random
+    >>> model = tiny_random("llama", hidden_size=64, intermediate_size=128)
+    >>> report = lessmem.quantize_(model, lessmem.RTNConfig(bits=4, group_size=32), progress=False)
+    >>> type(model.model.layers[0].mlp.down_proj).__name__, report["n_quantized"]
+    ('QuantLinear', 14)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch import nn
+
+from .arch import arch_for, get_module, set_module
+from .calibrate import BlockInputs, calibration_ids, describe, run_block
+from .config import WeightConfig
+from .qlinear import QuantLinear
+from .rtn import rtn_quantize
+from .solvers import SOLVERS, LayerSpec
+
+
+class _Progress:
+    """A per-layer progress bar on stderr (rich when available and interactive)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.total, self.desc, self.enabled, self.i = total, desc, enabled, 0
+        self._rich = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.progress import Progress
+
+                self._rich = Progress(transient=True)
+                self._rich.start()
+                self._task = self._rich.add_task(desc, total=total)
+            except ImportError:
+                self._rich = None
+
+    def step(self, what: str) -> None:
+        self.i += 1
+        if self._rich is not None:
+            self._rich.update(self._task, advance=1, description=f"{self.desc}: {what}")
+        elif self.enabled:
+            print(f"[{self.i}/{self.total}] {self.desc}: {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+
+
+def _targets(model: nn.Module, config: WeightConfig, filter_fn) -> dict[str, LayerSpec]:
+    out = {}
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear:
+            continue
+        if filter_fn is not None and not filter_fn(name, mod):
+            continue
+        c = config.for_module(name)
+        if c is None:
+            continue
+        gs = c.group_for(name, mod.in_features)  # raises a clear error if it does not divide
+        out[name] = LayerSpec(c.bits, gs, c.symmetric)
+    return out
+
+
+def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_fn=None,
+              tokenizer=None, progress: bool = True) -> dict:
+    """Quantize ``model``'s linears in place; returns a report (see the module doc)."""
+    if not isinstance(config, WeightConfig):
+        raise ValueError(f"config={config!r} must be a weight config (RTNConfig, GPTQConfig, "
+                         "AWQConfig, SmoothQuantConfig)")
+    t0 = time.perf_counter()
+    targets = _targets(model, config, filter_fn)
+    report = {"method": config.method, "config": config.to_dict(), "layers": {}}
+    if config.needs_calibration:
+        done = _calibrated(model, config, targets, calibration, tokenizer, progress, report)
+    else:
+        done = set()
+    rest = [n for n in targets if n not in done]
+    bar = _Progress(len(rest), "rtn", progress and bool(rest))
+    for name in rest:
+        c = targets[name]
+        lin = get_module(model, name)
+        qw = rtn_quantize(lin.weight, c.bits, c.group_size, c.symmetric)
+        set_module(model, name, QuantLinear.from_quantized(qw, lin.bias))
+        bar.step(name)
+    bar.close()
+    report["n_quantized"] = len(targets)
+    report["seconds"] = time.perf_counter() - t0
+    model._lessmem_quant = report["config"]  # what save_quantized records
+    return report
+
+
+def _calibrated(model, config, targets, calibration, tokenizer, progress, report) -> set:
+    arch = arch_for(getattr(model.config, "model_type", None))
+    blocks = get_module(model, arch.blocks)
+    ids = calibration_ids(calibration, tokenizer, config.n_samples, config.seq_len)
+    report["calibration"] = {"source": describe(calibration), "tokens": ids.numel(),
+                             "n_samples": config.n_samples, "seq_len": config.seq_len}
+    was_training = model.training
+    model.eval()
+    cap = BlockInputs(model, blocks, ids)
+    hidden, kwargs = cap.hidden, cap.kwargs
+    solve = SOLVERS[config.method]
+    done = set()
+    bar = _Progress(len(blocks), config.method, progress)
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            prefix = f"{arch.blocks}.{i}."
+            cfgs = {n[len(prefix):]: c for n, c in targets.items() if n.startswith(prefix)}
+            info = solve(block, arch, hidden, kwargs, cfgs, config)
+            report["layers"][i] = info
+            done.update(prefix + n for n in cfgs)
+            hidden = run_block(block, hidden, kwargs, collect=True)
+            bar.step(f"block {i}")
+    bar.close()
+    model.train(was_training)
+    return done

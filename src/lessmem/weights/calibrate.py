@@ -1,0 +1,110 @@
+"""Calibration data and the block-by-block pass shared by GPTQ, AWQ and SmoothQuant.
+
+``calibration_ids`` turns text (a file path, a string, a list of strings; default: the
+built-in corpus ``pydoc_data.topics`` shipped with Python) into ``n_samples`` windows
+of ``seq_len`` tokens, non-overlapping, in order. ``BlockInputs`` captures what the
+first decoder block receives for each window (hidden states and the keyword arguments:
+rotary ``position_embeddings``, mask, positions), so each block can then be run,
+observed, solved and replaced on its own, and its quantized output becomes the next
+block's input: only one block's activations are live at a time.
+
+Example:
+    >>> from lessmem.weights.calibrate import builtin_corpus
+    >>> len(builtin_corpus()) > 100_000
+    True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .observer import StopForward
+
+
+def builtin_corpus() -> str:
+    """The Python documentation topics shipped with CPython (``pydoc_data.topics``)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def describe(calibration) -> str:
+    if calibration is None:
+        return "built-in corpus (pydoc_data.topics)"
+    if isinstance(calibration, torch.Tensor):
+        return f"token ids {tuple(calibration.shape)}"
+    if isinstance(calibration, (str, Path)) and Path(str(calibration)).is_file():
+        return f"file {calibration}"
+    return "text given by the caller"
+
+
+def calibration_ids(calibration, tokenizer, n_samples: int, seq_len: int) -> torch.Tensor:
+    """LongTensor [n_samples, seq_len] of calibration tokens (see the module doc)."""
+    if isinstance(calibration, torch.Tensor):
+        ids = calibration.reshape(-1).long()
+    else:
+        if calibration is None:
+            text = builtin_corpus()
+        elif isinstance(calibration, Path) or (isinstance(calibration, str) and "\n" not in calibration
+                                               and len(calibration) < 4096 and Path(calibration).is_file()):
+            text = Path(calibration).read_text(encoding="utf-8", errors="replace")
+        elif isinstance(calibration, str):
+            text = calibration
+        elif isinstance(calibration, (list, tuple)) and all(isinstance(t, str) for t in calibration):
+            text = "\n\n".join(calibration)
+        else:
+            raise ValueError(f"calibration={type(calibration).__name__}; allowed: None (built-in "
+                             "corpus), a file path, a string, a list of strings, or token ids")
+        if tokenizer is None:
+            raise ValueError("calibration text needs tokenizer=...; or pass token ids")
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    need = n_samples * seq_len
+    if ids.numel() < need:
+        raise ValueError(f"calibration text is too short: {ids.numel()} tokens, but n_samples="
+                         f"{n_samples} x seq_len={seq_len} needs {need}; give more text or lower "
+                         "n_samples/seq_len")
+    return ids[:need].view(n_samples, seq_len)
+
+
+class BlockInputs:
+    """Inputs of decoder block 0 for each calibration window, captured by a pre-hook."""
+
+    def __init__(self, model, blocks, ids: torch.Tensor):
+        self.hidden: list[torch.Tensor] = []
+        self.kwargs: dict = {}
+
+        def grab(mod, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self.hidden.append(x.detach())
+            if not self.kwargs:
+                self.kwargs = {k: v for k, v in kwargs.items()
+                               if k not in ("hidden_states", "past_key_values", "past_key_value",
+                                            "use_cache")}
+            raise StopForward
+
+        h = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                for i in range(ids.shape[0]):
+                    try:
+                        model(input_ids=ids[i:i + 1], use_cache=False)
+                    except StopForward:
+                        pass
+        finally:
+            h.remove()
+
+
+def run_block(block, hidden: list[torch.Tensor], kwargs: dict, collect: bool = False):
+    """Run ``block`` on every captured input; StopForward (early stop) ends a sample quietly."""
+    outs = []
+    with torch.no_grad():
+        for x in hidden:
+            try:
+                y = block(x, **kwargs)
+            except StopForward:
+                continue
+            if collect:
+                outs.append((y[0] if isinstance(y, tuple) else y).detach())
+    return outs

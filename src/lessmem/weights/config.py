@@ -1,0 +1,243 @@
+"""Weight-quantization configs: frozen dataclasses validated in ``__post_init__``.
+
+Every config says how a linear layer's weight ``W [out, in]`` becomes codes:
+
+- ``bits``: 2, 3, 4 or 8 (8 is per-channel symmetric int8, the fused int8 kernel)
+- ``group_size``: 32, 64, 128, 256 contiguous input columns per scale, or ``None`` =
+  one scale per output channel
+- ``symmetric``: zero point fixed at 2^(b-1) (True) or chosen per group (False)
+- ``skip``: name patterns (``fnmatch``) of linears kept in full precision
+  (``lm_head`` by default; embeddings are never touched)
+- ``overrides``: ``{pattern: {field: value}}`` per-module changes, e.g.
+  ``{"*.down_proj": {"bits": 8, "group_size": None}}``; the first matching pattern wins
+- ``group_fallback``: when ``group_size`` does not divide a layer's ``in_features``,
+  use the largest allowed group size that does (True) or raise (False, the default)
+
+Calibrated configs (GPTQ, AWQ, SmoothQuant) add ``n_samples`` windows of ``seq_len``
+tokens of calibration text.
+
+Example:
+    >>> from lessmem.weights import RTNConfig
+    >>> cfg = RTNConfig(overrides={"*.v_proj": {"bits": 8, "group_size": None, "symmetric": True}})
+    >>> cfg.for_module("model.layers.0.v_proj").bits, cfg.for_module("model.layers.0.q_proj").bits
+    (8, 4)
+    >>> cfg.for_module("lm_head") is None
+    True
+    >>> RTNConfig(bits=7)
+    Traceback (most recent call last):
+    ...
+    ValueError: RTNConfig bits=7 is not supported; allowed: 2, 3, 4, 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+
+BITS = (2, 3, 4, 8)
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def _check_int(name: str, owner: str, v, lo: int, hi: int | None = None):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{owner} {name}={v!r} must be an integer {rng}")
+
+
+def _check_float(name: str, owner: str, v, lo: float, hi: float, lo_open: bool = False):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = ok and (lo < v if lo_open else lo <= v) and v <= hi
+    if not ok:
+        raise ValueError(f"{owner} {name}={v!r} must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+@dataclass(frozen=True)
+class WeightConfig:
+    """Fields shared by every weight config (see the module doc)."""
+
+    bits: int = 4
+    group_size: int | None = 128
+    symmetric: bool = False
+    skip: tuple[str, ...] = ("lm_head",)
+    overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    group_fallback: bool = False
+
+    method = "base"
+    allowed_bits = BITS
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        if isinstance(self.bits, bool) or self.bits not in self.allowed_bits:
+            raise ValueError(f"{owner} bits={self.bits!r} is not supported; allowed: "
+                             f"{', '.join(map(str, self.allowed_bits))}")
+        if self.group_size is not None and (isinstance(self.group_size, bool)
+                                            or self.group_size not in GROUP_SIZES):
+            raise ValueError(f"{owner} group_size={self.group_size!r}; allowed: None (per-channel), "
+                             f"{', '.join(map(str, GROUP_SIZES))}")
+        if self.bits == 8 and (self.group_size is not None or not self.symmetric):
+            raise ValueError(f"{owner} bits=8 is per-channel symmetric int8: use group_size=None, "
+                             f"symmetric=True (got group_size={self.group_size!r}, "
+                             f"symmetric={self.symmetric!r})")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"{owner} symmetric={self.symmetric!r} must be True or False")
+        skip = (self.skip,) if isinstance(self.skip, str) else tuple(self.skip)
+        if not all(isinstance(s, str) for s in skip):
+            raise ValueError(f"{owner} skip={self.skip!r} must be name patterns (strings)")
+        object.__setattr__(self, "skip", skip)
+        object.__setattr__(self, "overrides", self._norm_overrides(self.overrides))
+
+    def _norm_overrides(self, ov):
+        owner = type(self).__name__
+        items = ov.items() if isinstance(ov, dict) else ov
+        out = []
+        names = {f.name for f in dataclasses.fields(self)} - {"overrides"}
+        for pat, change in items:
+            change = dict(change) if change is not None else None
+            if not isinstance(pat, str) or (change is not None and not set(change) <= names):
+                bad = set(change or {}) - names
+                raise ValueError(f"{owner} overrides entry {pat!r}: {change!r}; keys must be "
+                                 f"among {', '.join(sorted(names))} (unknown: {sorted(bad)})")
+            if change is not None:  # validate now so a bad override fails at construction
+                dataclasses.replace(self, **change, overrides=())
+            out.append((pat, tuple(sorted(change.items())) if change is not None else None))
+        return tuple(out)
+
+    def for_module(self, name: str) -> WeightConfig | None:
+        """The config for the linear named ``name``, or None to keep it in full precision."""
+        for pat, change in self.overrides:
+            if fnmatch.fnmatchcase(name, pat):
+                if change is None:
+                    return None
+                return dataclasses.replace(self, **dict(change), overrides=())
+        if any(fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p for p in self.skip):
+            return None
+        return self
+
+    def group_for(self, name: str, in_features: int) -> int:
+        """Group size to use for a layer with ``in_features`` columns (in_features if per-channel)."""
+        if self.group_size is None:
+            return in_features
+        if in_features % self.group_size == 0:
+            return self.group_size
+        fits = [g for g in GROUP_SIZES if g < self.group_size and in_features % g == 0]
+        if self.group_fallback and fits:
+            return fits[-1]
+        raise ValueError(
+            f"{type(self).__name__} group_size={self.group_size} does not divide in_features="
+            f"{in_features} of {name!r}; allowed here: "
+            f"{[g for g in GROUP_SIZES if in_features % g == 0] or 'None (per-channel)'} "
+            "(or set group_fallback=True, or an override for this module)")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["skip"] = list(self.skip)
+        d["overrides"] = {p: (dict(c) if c is not None else None) for p, c in self.overrides}
+        d["method"] = self.method
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> WeightConfig:
+        d = dict(d)
+        method = d.pop("method", "rtn")
+        classes = {c.method: c for c in (RTNConfig, GPTQConfig, AWQConfig, SmoothQuantConfig)}
+        if method not in classes:
+            raise ValueError(f"method={method!r}; allowed: {', '.join(classes)}")
+        if "skip" in d:
+            d["skip"] = tuple(d["skip"])
+        return classes[method](**d)
+
+
+@dataclass(frozen=True)
+class RTNConfig(WeightConfig):
+    """Round-to-nearest, no calibration: per group, min/max (or max|w|) sets the scale."""
+
+    method = "rtn"
+
+
+@dataclass(frozen=True)
+class CalibratedConfig(WeightConfig):
+    n_samples: int = 32
+    seq_len: int = 512
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int("n_samples", type(self).__name__, self.n_samples, 1)
+        _check_int("seq_len", type(self).__name__, self.seq_len, 8)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class GPTQConfig(CalibratedConfig):
+    """GPTQ (Frantar et al. 2022): quantize columns in order, push each column's error onto
+    the not-yet-quantized ones through the inverse Hessian of the layer's inputs.
+
+    damp: fraction of mean(diag H) added to the diagonal (raised x10 while Cholesky fails);
+    block_size: columns per lazy batch update; act_order: columns by decreasing diag H
+    (needs static_groups=True so each group keeps contiguous columns for the kernels);
+    true_sequential: within a block, quantize attention before MLP, each on inputs
+    recomputed with the already-quantized layers.
+    """
+
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    static_groups: bool = False
+    true_sequential: bool = True
+
+    method = "gptq"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_float("damp", "GPTQConfig", self.damp, 0.0, 1.0, lo_open=True)
+        _check_int("block_size", "GPTQConfig", self.block_size, 1, 4096)
+        if self.act_order and not self.static_groups and self.group_size is not None:
+            raise ValueError("GPTQConfig act_order=True with group_size set needs static_groups=True "
+                             "(groups must stay contiguous columns for the fused kernels)")
+
+
+@dataclass(frozen=True)
+class AWQConfig(CalibratedConfig):
+    """AWQ (Lin et al. 2023): per-input-channel scales s = mean|x|^α, α searched over
+    ``n_grid`` values in [0, 1) on the block output error, folded into the preceding norm or
+    linear; then a per-group clipping search (shrink max|w| by up to ``max_shrink``)."""
+
+    n_grid: int = 20
+    clip_search: bool = True
+    max_shrink: float = 0.5
+
+    method = "awq"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int("n_grid", "AWQConfig", self.n_grid, 1, 200)
+        _check_float("max_shrink", "AWQConfig", self.max_shrink, 0.0, 0.9)
+
+
+@dataclass(frozen=True)
+class SmoothQuantConfig(CalibratedConfig):
+    """SmoothQuant W8A8 (Xiao et al. 2022): s_j = max|X_j|^α / max|W_j|^(1−α) folded into the
+    preceding norm, then int8 per-channel weights and int8 per-token dynamic activations."""
+
+    alpha: float = 0.5
+    bits: int = 8
+    group_size: int | None = None
+    symmetric: bool = True
+
+    method = "smoothquant"
+    allowed_bits = (8,)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_float("alpha", "SmoothQuantConfig", self.alpha, 0.0, 1.0)
+
+
+__all__ = ["WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig",
+           "CalibratedConfig", "BITS", "GROUP_SIZES"]

@@ -1,0 +1,182 @@
+"""``QuantLinear``: an ``nn.Linear`` whose weight lives as codes and is expanded only
+inside the matmul (fused kernels in ``lessmem.kernels``).
+
+Layouts held (``N = out_features``, ``K = in_features``, ``G = K / group_size``):
+
+- 4-bit, shapes torch's CPU op takes: ``int4pack`` (the op's packed layout) and its
+  ``[G, N, 2]`` bf16 scale-and-zero tensor → ``_weight_int4pack_mm_for_cpu`` (bf16 activations)
+- 2/3/4-bit otherwise: ``qweight`` codes packed by ``formats.packing.pack_bits`` row-major,
+  fp16 ``scale [N, G]``, uint8 ``zero_point [N, G]`` → the C++ ``lowbit_linear`` kernel for
+  up to 16 rows; larger batches (prefill) dequantize and use BLAS
+- 8-bit: int8 ``qweight [N, K]`` and fp16 ``scale [N, 1]`` → the C++ ``int8_linear`` kernel;
+  with ``act_bits=8`` (SmoothQuant W8A8) activations are quantized per token on the fly
+  (x_q = round(x / s_x), s_x = max|x_token| / 127) and the int8·int8 kernel sums in int32.
+
+``nbytes`` counts every tensor held (codes, scales, zero points, bias).
+
+Example:
+    >>> import torch
+    >>> from lessmem.weights.qlinear import QuantLinear
+    >>> lin = torch.nn.Linear(128, 64)
+    >>> q = QuantLinear.from_linear(lin, bits=4, group_size=32, symmetric=False)
+    >>> x = torch.randn(2, 128)
+    >>> err = (q(x) - lin(x)).abs().max().item()
+    >>> err < 0.1, q.nbytes < lin.weight.numel() * 4 / 5
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats.packing import pack_bits, unpack_bits
+from ..kernels import int4_linear as i4
+from ..kernels import linear_cpp
+from .rtn import QuantizedWeight, rtn_quantize
+
+FUSED_MAX_ROWS = 16  # above this many rows, dequantize once and use BLAS (compute-bound)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with ``bits``-bit group-wise weights; see the module doc."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
+                 symmetric: bool, bias: bool = True, act_bits: int | None = None):
+        super().__init__()
+        if bits not in (2, 3, 4, 8):
+            raise ValueError(f"QuantLinear bits={bits!r}; allowed: 2, 3, 4, 8")
+        if in_features % group_size:
+            raise ValueError(f"group_size={group_size} does not divide in_features={in_features}")
+        if act_bits not in (None, 8) or (act_bits == 8 and bits != 8):
+            raise ValueError(f"act_bits={act_bits!r}; allowed: None, or 8 with bits=8 (W8A8)")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.symmetric, self.act_bits = bits, group_size, symmetric, act_bits
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.layout = "unset"
+        self._cache: dict[str, torch.Tensor] = {}
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                       act_bits: int | None = None) -> QuantLinear:
+        """Wrap codes/scales produced by RTN, GPTQ or AWQ."""
+        n, k = qw.codes.shape
+        m = cls(k, n, qw.bits, qw.group_size, qw.symmetric, bias is not None, act_bits)
+        if bias is not None:
+            m.bias.data = bias.detach().float().clone()
+        m._set_codes(qw.codes, qw.scale, qw.zero)
+        return m
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, bits: int = 4, group_size: int | None = 128,
+                    symmetric: bool = False, act_bits: int | None = None) -> QuantLinear:
+        """Round-to-nearest quantization of an ``nn.Linear``."""
+        qw = rtn_quantize(lin.weight, bits, group_size, symmetric)
+        return cls.from_quantized(qw, lin.bias, act_bits)
+
+    def _set_codes(self, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        n, k = self.out_features, self.in_features
+        for name in ("qweight", "int4pack", "scale", "zero_point", "int4_sz"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self._cache = {}
+        scale = scale.to(torch.float16).reshape(n, -1).contiguous()
+        zero = zero.to(torch.uint8).reshape(n, -1).contiguous()
+        if self.bits == 8:
+            self.layout = "int8"
+            self.register_buffer("qweight", (u.to(torch.int16) - 128).to(torch.int8).contiguous())
+            self.register_buffer("scale", scale)
+        elif self.bits == 4 and i4.supported(n, k, self.group_size):
+            self.layout = "int4pack"
+            self.register_buffer("int4pack", i4.pack_int4(u))
+            self.register_buffer("int4_sz", i4.scales_and_zeros(scale, zero))
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero_point", zero)
+        else:
+            self.layout = "packed"
+            self.register_buffer("qweight", pack_bits(u, self.bits))
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero_point", zero)
+
+    # ---- export -------------------------------------------------------------------
+    def codes(self) -> torch.Tensor:
+        """Plain unsigned codes u [N, K] (uint8), whatever the runtime layout."""
+        n, k = self.out_features, self.in_features
+        if self.layout == "int8":
+            return (self.qweight.to(torch.int16) + 128).to(torch.uint8)
+        if self.layout == "int4pack":
+            return i4.unpack_int4(self.int4pack, n, k)
+        return unpack_bits(self.qweight, self.bits, n * k).view(n, k)
+
+    def zero(self) -> torch.Tensor:
+        if self.layout == "int8":
+            return torch.full_like(self.scale, 128, dtype=torch.uint8)
+        return self.zero_point
+
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.codes(), self.scale, self.zero(), self.bits, self.group_size,
+                               self.symmetric)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 W_hat [N, K] as the kernels see it (int4pack: bf16 scale and zero)."""
+        if self.layout == "int4pack":
+            sz = self.int4_sz.float()  # [G, N, 2]
+            s = sz[..., 0].T.repeat_interleave(self.group_size, 1)
+            z = sz[..., 1].T.repeat_interleave(self.group_size, 1)
+            return s * (self.codes().float() - 8) + z
+        return self.quantized_weight().dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the layer holds at run time (codes, scales, zeros, bias)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers()) + (
+            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight: codes + scales + zero points (bias excluded), portable layout."""
+        g = self.in_features // self.group_size
+        meta = 16 + (0 if self.layout == "int8" or self.symmetric else 8)
+        return self.bits + meta * g / self.in_features
+
+    # ---- compute ------------------------------------------------------------------
+    def _fp32(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name not in self._cache:
+            self._cache[name] = t.float().contiguous()
+        return self._cache[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        rows = x.numel() // self.in_features
+        if self.act_bits == 8:
+            y = self._forward_w8a8(x)
+        elif self.layout == "int4pack":
+            y = i4.int4_linear(x, self.int4pack, self.group_size, self.int4_sz)
+        elif rows > FUSED_MAX_ROWS:
+            y = F.linear(x.float(), self.dequantized_weight())
+        elif self.layout == "int8":
+            y = linear_cpp.int8_linear(x, self.qweight, self._fp32("s", self.scale).view(-1))
+        else:
+            y = linear_cpp.lowbit_linear(x, self.qweight, self.bits, self._fp32("s", self.scale),
+                                         self._fp32("z", self.zero_point), self.group_size)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(dtype)
+
+    def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()
+        sx = (x2.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # per-token dynamic scale
+        xq = torch.round(x2 / sx[:, None]).clamp(-127, 127).to(torch.int8)
+        sw = self._fp32("s", self.scale).view(-1)
+        if x2.shape[0] > FUSED_MAX_ROWS:  # same integer sums through BLAS (exact up to 2^24)
+            y = (xq.float() @ self.qweight.float().T) * sx[:, None] * sw[None, :]
+        else:
+            y = linear_cpp.w8a8_linear(xq, sx, self.qweight, sw)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, symmetric={self.symmetric}, layout={self.layout}"
+                + (f", act_bits={self.act_bits}" if self.act_bits else ""))

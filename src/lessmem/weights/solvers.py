@@ -1,0 +1,115 @@
+"""Per-block solve steps of the calibrated methods (observe, then solve).
+
+Each ``solve_*`` receives one decoder block, its captured inputs (``hidden``: one
+``[1, T, H]`` tensor per calibration window, ``kwargs``: rotary embeddings, mask), the
+per-linear configs (``cfgs``: block-relative name -> config; absent = keep float) and
+replaces the block's linears by ``QuantLinear`` in place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .arch import Arch, get_module, set_module
+from .awq import fold_scale, search_clip, search_scale
+from .calibrate import run_block
+from .gptq import gptq_quantize
+from .observer import observe
+from .qlinear import QuantLinear
+from .rtn import rtn_quantize
+from .smoothquant import smooth_scale
+
+
+class LayerSpec(NamedTuple):
+    """What one linear gets: bits, resolved group size (in_features = per-channel), symmetric."""
+
+    bits: int
+    group_size: int
+    symmetric: bool
+
+
+def _replace(block, name: str, qw, act_bits=None) -> None:
+    lin = get_module(block, name)
+    set_module(block, name, QuantLinear.from_quantized(qw, lin.bias, act_bits))
+
+
+def solve_gptq(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
+    stages = arch.stages if config.true_sequential else (tuple(n for st in arch.stages for n in st),)
+    info = {}
+    for stage in stages:
+        mods = {n: get_module(block, n) for n in stage if n in cfgs}
+        if not mods:
+            continue
+        obs = observe(mods, lambda: run_block(block, hidden, kwargs), want_xtx=True, stop_early=True)
+        for n, lin in mods.items():
+            c = cfgs[n]
+            qw = gptq_quantize(lin.weight, obs[n].hessian(), c.bits, c.group_size, c.symmetric,
+                               config.damp, config.block_size, config.act_order, config.static_groups)
+            _replace(block, n, qw)
+            info[n] = {"tokens": obs[n].n}
+    return info
+
+
+def solve_awq(block, arch: Arch, hidden, kwargs, cfgs: dict, config, keep_tokens: int = 512) -> dict:
+    names = [n for g in arch.groups for n in g.linears if n in cfgs]
+    mods = {n: get_module(block, n) for n in names}
+    # inputs of each group's first linear, full windows (the inspected modules need sequences)
+    first = {g.linears[0]: g for g in arch.groups}
+    xs: dict[str, list] = {n: [] for n in first}
+    hooks = [get_module(block, n).register_forward_pre_hook(
+        lambda m, inp, n=n: xs[n].append(inp[0].detach())) for n in first]
+    try:
+        run_block(block, hidden, kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    info, kept = {}, {}
+    for g in arch.groups:  # phase 1: search and fold every group's scale (float model)
+        lins = {n: mods[n] for n in g.linears if n in mods}
+        if not lins:
+            continue
+        x = torch.cat(xs[g.linears[0]])  # [n, T, K]
+        prev = get_module(block, g.prev)
+        k = x.shape[-1]
+        foldable = all(m.in_features == k for m in lins.values()) and (
+            not hasattr(prev, "out_features") or prev.out_features == k)
+        if foldable:
+            s, best, loss0 = search_scale(block, g, lins, {n: cfgs[n] for n in lins},
+                                          x, kwargs, config.n_grid)
+            fold_scale(block, g, lins, s)
+            x = x / s  # the group's input as the folded model now sees it
+            info[g.prev] = {"loss_alpha0": loss0, "loss_best": best}
+        xt = x.reshape(-1, k)
+        kept[g.prev] = (lins, xt[torch.linspace(0, xt.shape[0] - 1, min(keep_tokens, xt.shape[0])).long()])
+    for lins, xt in kept.values():  # phase 2: clipping search, then quantize
+        for n, lin in lins.items():
+            c = cfgs[n]
+            clip = None
+            if config.clip_search and not n.endswith(("q_proj", "k_proj")):
+                clip = search_clip(lin.weight.data, xt, c.bits, c.group_size, c.symmetric,
+                                   config.max_shrink)
+            _replace(block, n, rtn_quantize(lin.weight.data, c.bits, c.group_size, c.symmetric, clip))
+    return info
+
+
+def solve_smoothquant(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
+    names = [n for g in arch.groups for n in g.linears if n in cfgs]
+    mods = {n: get_module(block, n) for n in names}
+    obs = observe(mods, lambda: run_block(block, hidden, kwargs))
+    info = {}
+    for g in arch.groups:
+        lins = {n: mods[n] for n in g.linears if n in mods}
+        if not g.smooth or not lins:
+            continue
+        xmax = torch.stack([obs[n].abs_max for n in lins]).amax(0)
+        s = smooth_scale(xmax, [m.weight for m in lins.values()], config.alpha)
+        fold_scale(block, g, lins, s)
+        info[g.prev] = {"act_absmax_before": float(xmax.max()), "act_absmax_after": float((xmax / s).max())}
+    for n, lin in mods.items():
+        _replace(block, n, rtn_quantize(lin.weight.data, 8, None, True), act_bits=8)
+    return info
+
+
+SOLVERS = {"gptq": solve_gptq, "awq": solve_awq, "smoothquant": solve_smoothquant}
