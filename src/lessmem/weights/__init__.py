@@ -14,8 +14,9 @@ Example:
 """
 
 from .apply import quantize_
+from .checkpoint import load_quantized, save_quantized
 from .config import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig, WeightConfig
 from .qlinear import QuantLinear
 
 __all__ = ["quantize_", "QuantLinear", "WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig",
-           "SmoothQuantConfig"]
+           "SmoothQuantConfig", "save_quantized", "load_quantized"]
