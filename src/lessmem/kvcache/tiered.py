@@ -1,0 +1,496 @@
+"""``TieredKVCache``: the quantized KV cache with its history spread over tiers.
+
+Each quantized layer keeps its sinks and window in full precision on the device (as
+:class:`~lessmem.kvcache.layer.QuantizedKVLayer` does) and cuts its quantized history
+into immutable blocks of ``block_tokens`` tokens (a multiple of ``KVConfig.block_size``).
+A sealed block goes into a :class:`~lessmem.offload.TierStack` whose first tier is the
+*device* tier (a byte budget) and whose lower tiers are what ``tiers`` names (host RAM,
+a disk directory, Redis). Policy: the sinks, the window, the partly filled block and the
+most recent sealed blocks stay on the device within ``device_budget``; older blocks are
+demoted down the tiers (write-back, or written through to every tier).
+
+Attention reads the history through ``read_history()`` (the layer's one read point):
+the blocks of the layer are gathered from wherever they live and concatenated in order,
+so the kernel sees exactly the tensors an in-memory cache would hold (bit-exact logits).
+With ``prefetch=True``, while layer i computes, a background thread already gathers
+layer i+1 (after the last layer: layer 0 for the next step); ``offload_stats()`` says
+how often the consumer had to wait (prefetch lateness).
+
+Device bytes = device tier + sinks + windows + partial blocks + gathered histories in
+flight (current layer, and the prefetched one). Before every read the device tier is
+shrunk so that this stays within ``device_budget``; ``device_peak`` records the maximum.
+
+Prefix reuse: with ``set_tokens(ids)`` (``prefill`` calls it) blocks are keyed by the
+chained hash of the token prefix, the model id and the cache config, so another cache,
+process or machine sharing a tier finds them. ``save_prefix(ids, logits)`` persists the
+state after a prompt (blocks to every lower tier, plus one record with the sinks,
+windows, partial blocks and the last logits); ``restore_prefix(ids)`` in a fresh cache
+loads that state instead of recomputing it — ``prefill(model, ids)`` does both.
+
+Example:
+    >>> import torch, tempfile
+    >>> from lessmem.models import tiny_random
+    >>> from lessmem.kvcache import KVConfig, PRESETS
+    >>> from lessmem.kvcache.tiered import TieredKVCache
+    >>> model = tiny_random("llama")
+    >>> cfg = PRESETS["int4"].replace(window=16, block_size=16)
+    >>> cache = TieredKVCache(model.config, cfg, tiers=f"disk:{tempfile.mkdtemp()}",
+    ...                       device_budget="4KiB", block_tokens=32)
+    >>> logits = cache.prefill(model, torch.arange(1, 200).unsqueeze(0))
+    >>> cache.device_peak <= 4096, cache.memory()["tiers"]["disk"] > 0
+    (True, True)
+    >>> cache.close()
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import torch
+
+from ..kernels.attention import QuantKV
+from ..offload import (
+    DeviceTier,
+    PrefetchHandle,
+    Tier,
+    TierFullError,
+    TierSpec,
+    TierStack,
+    block_nbytes,
+    layer_key,
+    parse_bytes,
+    parse_offload_spec,
+    prefix_hashes,
+    sequence_hash,
+)
+from ..offload.stack import PrefetchStats
+from .cache import KVCache, quantized_layers
+from .config import KVConfig
+from .layer import QuantizedKVLayer, _side
+
+
+class BlockLostError(RuntimeError):
+    """A sealed block is in no tier any more (corrupted, deleted or evicted from the last tier)."""
+
+
+def _nb(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class TieredKVLayer(QuantizedKVLayer):
+    """A quantized layer whose history lives in the owner's tiers as sealed blocks."""
+
+    def __init__(self, config: KVConfig, layer_idx: int, rotations, fused, owner: TieredKVCache):
+        self.owner = owner
+        super().__init__(config, layer_idx, rotations, fused)
+
+    def reset(self) -> None:
+        super().reset()
+        self.block_keys: list[str] = []
+        self.block_bytes: list[int] = []
+        self.part_bytes: dict[str, int] = {}
+        self.pending: dict[str, torch.Tensor] | None = None  # the partly filled block
+        self.n_pending = 0
+
+    # groups of tokens per row of each part (scales/zero points of per-channel keys)
+    def _tg(self, name: str) -> int:
+        if "codes" in name:
+            return 1
+        spec = self.kspec if name.startswith("k_") else self.vspec
+        return spec.group_shape(self.head_dim)[0]
+
+    def _append_history(self, new: dict[str, torch.Tensor]) -> None:
+        n = new["k_codes"].shape[2]
+        if self.pending is None:
+            self.pending = {k: t.contiguous() for k, t in new.items()}
+        else:
+            self.pending = {k: torch.cat([self.pending[k], t], dim=2) for k, t in new.items()}
+        self.n_history += n
+        self.n_pending += n
+        bt = self.owner.block_tokens
+        while self.n_pending >= bt:
+            head = {k: t[:, :, : bt // self._tg(k)].clone() for k, t in self.pending.items()}
+            self.n_pending -= bt
+            self.pending = ({k: t[:, :, bt // self._tg(k):].clone() for k, t in self.pending.items()}
+                            if self.n_pending else None)
+            self.owner._seal(self, head)
+
+    def read_history(self) -> QuantKV | None:
+        h = self.owner._history_for(self)
+        if h is None:
+            return None
+        D = self.head_dim
+        return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
+                       _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
+
+    def history_bytes(self) -> int:
+        return sum(self.block_bytes) + sum(_nb(t) for t in (self.pending or {}).values())
+
+    def fp_bytes(self) -> int:
+        """Bytes of what always stays on the device: sinks, window, partial block."""
+        parts = [*(self.sinks or ()), *(self.window or ()), self.keys, self.values]
+        return sum(_nb(t) for t in parts) + sum(_nb(t) for t in (self.pending or {}).values())
+
+    def blocks(self):
+        from .block import KVBlock
+
+        return [KVBlock(self.config.sinks + i * self.owner.block_tokens, self.owner.block_tokens,
+                        self.owner._fetch(k)) for i, k in enumerate(self.block_keys)]
+
+    def memory(self) -> dict[str, int]:
+        m = super().memory()  # sinks, window, tokens (self.history stays None); history below
+        if not self.quantized or not self.is_initialized:
+            return m
+        parts = dict(self.part_bytes)
+        for k, t in (self.pending or {}).items():
+            parts[k] = parts.get(k, 0) + _nb(t)
+        for name, b in parts.items():
+            part = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
+            m[part] += b
+            m["k_quant_bytes" if name.startswith("k_") else "v_quant_bytes"] += b
+        m["quant_elements"] = self.batch_size * self.num_heads * self.n_history * self.head_dim
+        return m
+
+    def _map(self, fn) -> None:
+        if self.block_keys or self.pending is not None:
+            raise ValueError("a tiered cache cannot reorder or select batch rows of offloaded "
+                             "history; allowed: batch operations before any block is written")
+        super()._map(fn)
+
+
+def cache_kwargs(model, cache) -> dict:
+    """Forward kwargs passing ``cache`` (``cache=`` on transformers >= 5.2x, else
+    ``past_key_values=``)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+
+
+def _tiers_from(tiers) -> list[Tier]:
+    if tiers is None:
+        tiers = "host"
+    if isinstance(tiers, str):
+        tiers = parse_offload_spec(tiers)
+    out = []
+    for t in tiers:
+        if isinstance(t, TierSpec):
+            if t.kind == "device":
+                raise ValueError("the device tier is implicit; set its size with device_budget")
+            t = t.build()
+        if not isinstance(t, Tier):
+            raise ValueError(f"tier {t!r}; allowed: Tier objects, TierSpecs or a spec string")
+        out.append(t)
+    if not out:
+        raise ValueError("tiers is empty; allowed: at least one of host, disk:PATH, redis://...")
+    return out
+
+
+class TieredKVCache(KVCache):
+    """Quantized KV cache over tiers; see the module doc.
+
+    ``tiers``: lower tiers (fastest first) as a spec string (``"host,disk:/path"``), a
+    list of :class:`~lessmem.offload.Tier` or :class:`~lessmem.offload.TierSpec`.
+    ``device_budget``: bytes (or ``"64MiB"``) the cache may hold on the device; None =
+    unbounded. ``block_tokens``: tokens per stored block (multiple of the config's
+    ``block_size``). ``write_policy``: ``"write-back"`` or ``"write-through"``.
+    ``model_id``: names the model in block keys (default: from the model config).
+    """
+
+    def __init__(self, model_config, config: str | KVConfig = "int4", tiers=None, device_budget=None,
+                 block_tokens: int = 256, prefetch: bool = True, write_policy: str = "write-back",
+                 attention: str = "auto", model_id: str | None = None):
+        super().__init__(model_config, config, attention)
+        bs = self.kv_config.block_size
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
+                or block_tokens % bs:
+            raise ValueError(f"block_tokens={block_tokens!r}; allowed: a positive multiple of the "
+                             f"config's block_size {bs}")
+        self.block_tokens = block_tokens
+        self.device_budget = None if device_budget is None else parse_bytes(device_budget)
+        self.prefetch = bool(prefetch)
+        self.device_tier = DeviceTier(None, device="cpu")
+        self.stack = TierStack([self.device_tier, *_tiers_from(tiers)], write_policy=write_policy,
+                               promote=False)
+        self.lower = self.stack.tiers[1:]
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.model_id = model_id or "{}:{}:L{}:H{}:KV{}:D{}".format(
+            getattr(text, "_name_or_path", "") or "model", getattr(text, "model_type", "?"),
+            text.num_hidden_layers, text.hidden_size, getattr(text, "num_key_value_heads", 0),
+            getattr(text, "head_dim", 0) or 0)
+        self.key_config = {**self.kv_config.to_dict(), "block_tokens": block_tokens}
+        self.session = uuid.uuid4().hex[:16]
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, QuantizedKVLayer):
+                self.layers[i] = TieredKVLayer(self.kv_config, i, self.rotations, self._fused, self)
+        self.tiered = [la for la in self.layers if isinstance(la, TieredKVLayer) and la.quantized]
+        self.prefetch_stats = PrefetchStats()
+        self._plock = threading.Lock()
+        self._pool = None
+        self._inflight: dict[int, tuple[tuple, PrefetchHandle, int]] = {}
+        self._staged = 0
+        self.device_peak = 0
+        self.over_budget = 0  # reads at which even an empty device tier could not meet the budget
+        self.prefill_skipped = 0
+        self._hashes: list[str] = []
+        self._has_sinks_block = False
+
+    # ---- keys ----------------------------------------------------------------------------
+    def set_tokens(self, token_ids) -> None:
+        """Declare the token ids the cache holds/will hold (batch 1): blocks fully inside
+        them are keyed by content (shareable); other blocks get session keys."""
+        ids = torch.as_tensor(token_ids).reshape(-1) if not isinstance(token_ids, torch.Tensor) \
+            else token_ids
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(f"token ids of batch {ids.shape[0]}; allowed: batch 1 for prefix keys")
+            ids = ids[0]
+        s = self.kv_config.sinks
+        hs = prefix_hashes(ids.tolist(), self.block_tokens, self.model_id, self.key_config, first_block=s)
+        self._hashes = hs[1:] if s else hs
+
+    def _key_for(self, layer: TieredKVLayer, idx: int) -> str:
+        if idx < len(self._hashes):
+            return layer_key(self._hashes[idx], layer.layer_idx)
+        return f"s{self.session}-b{idx:05d}-L{layer.layer_idx:02d}"
+
+    # ---- placement ------------------------------------------------------------------------
+    def _seal(self, layer: TieredKVLayer, block: dict) -> None:
+        key = self._key_for(layer, len(layer.block_keys))
+        nb = block_nbytes(block)
+        layer.block_keys.append(key)
+        layer.block_bytes.append(nb)
+        for k, t in block.items():
+            layer.part_bytes[k] = layer.part_bytes.get(k, 0) + _nb(t)
+        self.device_tier.device = block["k_codes"].device
+        self._rebalance()
+        try:
+            self.stack.put(key, block)
+        except TierFullError as e:
+            raise TierFullError(f"no tier can take block {key!r} ({nb} bytes): {e}") from e
+
+    def fp_bytes(self) -> int:
+        return sum(la.fp_bytes() for la in self.layers if isinstance(la, QuantizedKVLayer))
+
+    def _reserve(self) -> int:
+        """Room for gathered histories: the layer computing now and the prefetched one."""
+        biggest = max((la.history_bytes() for la in self.tiered), default=0)
+        return biggest * (2 if self.prefetch else 1)
+
+    def _rebalance(self) -> None:
+        if self.device_budget is None:
+            return
+        room = self.device_budget - self.fp_bytes() - self._reserve()
+        if room < 0:
+            self.over_budget += 1
+        self.device_tier.resize(max(0, room))
+
+    def device_bytes(self) -> int:
+        """Bytes held on the device now (see module doc)."""
+        inflight = sum(nb for _, _, nb in self._inflight.values())
+        return self.device_tier.nbytes + self.fp_bytes() + self._staged + inflight
+
+    def _fetch(self, key: str) -> dict:
+        for _ in range(2):  # a block may be moving between tiers: look twice
+            b = self.device_tier.get(key, touch=False)
+            if b is not None:
+                return b
+            for t in self.lower:
+                b = t.get(key)
+                if b is not None:
+                    return b
+        raise BlockLostError(f"KV block {key!r} is in no tier (corrupted, deleted or evicted "
+                             "from the last tier); give the last tier more capacity")
+
+    def _gather(self, layer: TieredKVLayer, keys: list[str], pending) -> dict | None:
+        parts = [self._fetch(k) for k in keys]
+        if pending is not None:
+            parts.append(pending)
+        if not parts:
+            return None
+        dev = layer.device
+        return {n: torch.cat([p[n].to(dev) for p in parts], dim=2) for n in parts[0]}
+
+    def _history_for(self, layer: TieredKVLayer) -> dict | None:
+        snap = (len(layer.block_keys), layer.n_pending)
+        got = self._inflight.pop(layer.layer_idx, None)
+        self._staged = 0  # the previous layer's gathered history is no longer used
+        if got is not None and got[0] == snap:
+            hist = got[1].result()
+        else:
+            if got is not None:
+                got[1].future.result()
+            hist = self._gather(layer, list(layer.block_keys), layer.pending)
+        self._staged = sum(_nb(t) for t in (hist or {}).values())
+        self._rebalance()
+        if self.prefetch and len(self.tiered) > 1:
+            nxt = self.tiered[(self.tiered.index(layer) + 1) % len(self.tiered)]
+            if nxt.block_keys:
+                if self._pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch")
+                with self._plock:
+                    self.prefetch_stats.issued += 1
+                fut = self._pool.submit(self._gather, nxt, list(nxt.block_keys), nxt.pending)
+                self._inflight[nxt.layer_idx] = ((len(nxt.block_keys), nxt.n_pending),
+                                                 PrefetchHandle(fut, self.prefetch_stats, self._plock),
+                                                 nxt.history_bytes())
+        self.device_peak = max(self.device_peak, self.device_bytes())
+        return hist
+
+    # ---- prefix persistence -----------------------------------------------------------------
+    def _state_key(self, ids) -> str:
+        return "state-" + sequence_hash(ids, self.model_id, self.key_config)
+
+    def save_prefix(self, token_ids, logits: torch.Tensor | None = None) -> str:
+        """Persist the state after ``token_ids`` (see module doc); returns the record key."""
+        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        if self.get_seq_length() != len(ids):
+            raise ValueError(f"the cache holds {self.get_seq_length()} tokens, token_ids has "
+                             f"{len(ids)}; allowed: the ids the cache was filled with")
+        self._check_restorable()
+        self.set_tokens(ids)
+        rec: dict[str, torch.Tensor] = {"length": torch.tensor([len(ids)])}
+        if logits is not None:
+            rec["logits"] = logits.detach().float().cpu()
+        for la in self.tiered:
+            i = la.layer_idx
+            for idx, key in enumerate(la.block_keys):
+                want = self._key_for(la, idx)
+                block = self._fetch(key)
+                for t in self.lower:
+                    if not t.contains(want):
+                        t.put(want, block)
+                la.block_keys[idx] = want
+            rec[f"L{i}.probe"] = torch.empty(la.batch_size, la.num_heads, 0, la.head_dim, dtype=la.dtype)
+            rec[f"L{i}.sinks_k"], rec[f"L{i}.sinks_v"] = la.sinks
+            rec[f"L{i}.window_k"], rec[f"L{i}.window_v"] = la.window
+            rec[f"L{i}.block_bytes"] = torch.tensor(la.block_bytes, dtype=torch.int64)
+            rec[f"L{i}.n_history"] = torch.tensor([la.n_history])
+            for k, t in (la.pending or {}).items():
+                rec[f"L{i}.p.{k}"] = t
+        key = self._state_key(ids)
+        for t in self.lower:
+            t.put(key, rec)
+        return key
+
+    def _check_restorable(self) -> None:
+        if len(self.tiered) != len(self.layers):
+            raise ValueError("prefix save/restore needs every layer quantized; allowed: configs "
+                             "without skip_layers and models without exact sliding-window layers")
+
+    def restore_prefix(self, token_ids) -> torch.Tensor | None:
+        """Load the state saved for exactly ``token_ids``; returns its logits (or an empty
+        tensor if none were saved), or None when no complete record is found."""
+        self._check_restorable()
+        if self.get_seq_length():
+            raise ValueError("restore_prefix needs an empty cache; allowed: a fresh cache or after reset()")
+        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        key = self._state_key(ids)
+        rec = next((r for r in (t.get(key) for t in self.lower) if r is not None), None)
+        if rec is None:
+            return None
+        self.set_tokens(ids)
+        for la in self.tiered:
+            i = la.layer_idx
+            n_blocks = len(rec[f"L{i}.block_bytes"])
+            keys = [self._key_for(la, b) for b in range(n_blocks)]
+            if not all(any(t.contains(k) for t in self.lower) for k in keys):
+                self.reset()
+                return None
+            probe = rec[f"L{i}.probe"]
+            la.lazy_initialization(probe, probe)
+            dev = probe.device
+            la.sinks = (rec[f"L{i}.sinks_k"].to(dev), rec[f"L{i}.sinks_v"].to(dev))
+            la.window = (rec[f"L{i}.window_k"].to(dev), rec[f"L{i}.window_v"].to(dev))
+            la.block_keys, la.block_bytes = keys, rec[f"L{i}.block_bytes"].tolist()
+            la.n_history = int(rec[f"L{i}.n_history"][0])
+            la.n_pending = la.n_history - n_blocks * self.block_tokens
+            pend = {k.split(".p.", 1)[1]: t.to(dev) for k, t in rec.items() if k.startswith(f"L{i}.p.")}
+            la.pending = pend or None
+            la.length = int(rec["length"][0])
+            la.part_bytes = self._part_bytes_of(la, keys)
+        self.prefill_skipped += 1
+        return rec.get("logits", torch.empty(0))
+
+    def _part_bytes_of(self, la: TieredKVLayer, keys: list[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if keys:
+            first = self._fetch(keys[0])  # every block of a layer has the same part sizes
+            for k, t in first.items():
+                out[k] = _nb(t) * len(keys)
+        return out
+
+    def prefill(self, model, input_ids: torch.Tensor, chunk: int | None = None, save: bool = True):
+        """Logits [B, vocab] after ``input_ids``: restored from the tiers when this exact
+        prompt was saved before (prefill skipped), else computed in chunks of ``chunk``
+        tokens (default ``block_tokens``) and saved when ``save``."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}; allowed: [batch, tokens]")
+        single = input_ids.shape[0] == 1 and len(self.tiered) == len(self.layers)
+        if single and not self.get_seq_length():
+            logits = self.restore_prefix(input_ids[0])
+            if logits is not None and logits.numel():
+                return logits.to(model.device if hasattr(model, "device") else "cpu")
+            if logits is not None:
+                raise ValueError("the saved prefix has no logits; allowed: restore_prefix() then feed a token")
+            self.set_tokens(input_ids[0])
+        step = chunk or self.block_tokens
+        out = None
+        with torch.no_grad():
+            for a in range(0, input_ids.shape[1], step):
+                out = model(input_ids[:, a:a + step], **cache_kwargs(model, self))
+        logits = out.logits[:, -1].float()
+        if save and single:
+            self.save_prefix(input_ids[0], logits)
+        return logits
+
+    # ---- reporting / lifecycle ---------------------------------------------------------------
+    def memory(self) -> dict:
+        """``KVCache.memory()`` plus ``device_bytes``, ``device_peak`` and ``tiers`` (bytes per tier)."""
+        out = super().memory()
+        out.update(device_bytes=self.device_bytes(), device_peak=self.device_peak,
+                   device_budget=self.device_budget, tiers=self.stack.placement())
+        return out
+
+    def offload_stats(self) -> dict:
+        """Per-tier hits, misses, bytes moved, GB/s; prefetch on-time/late counts."""
+        out = self.stack.stats()
+        out["prefetch"] = self.prefetch_stats.to_dict()
+        out["prefill_skipped"] = self.prefill_skipped
+        out["over_budget"] = self.over_budget
+        return out
+
+    def _drain(self) -> None:
+        for _, h, _ in getattr(self, "_inflight", {}).values():
+            h.future.result()
+        self._inflight = {}
+        self._staged = 0
+
+    def reset(self) -> None:
+        self._drain()
+        super().reset()
+
+    def close(self, keep_session: bool = False) -> None:
+        """Stop the prefetcher, drop this session's (non-shareable) blocks, close the tiers."""
+        self._drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if not keep_session:
+            for la in self.tiered:
+                for k in la.block_keys:
+                    if k.startswith("s" + self.session):
+                        self.stack.delete(k)
+        self.stack._pool.shutdown(wait=True)
+        for t in self.stack.tiers:
+            t.close()
+
+    def __repr__(self) -> str:
+        return (f"TieredKVCache(layers={len(self.layers)}, config={self.kv_config}, "
+                f"tiers={[t.name for t in self.stack.tiers]}, device_budget={self.device_budget})")
+
+
+__all__ = ["TieredKVCache", "TieredKVLayer", "BlockLostError", "quantized_layers", "cache_kwargs"]
