@@ -1,0 +1,243 @@
+"""The caches the evaluator compares: lessmem presets, KVConfigs and peer caches.
+
+A config is named by a string:
+
+- ``"dynamic"``: transformers' ``DynamicCache`` (the unquantized baseline);
+- ``"quanto-int4"``, ``"quanto-int2"``, ``"hqq-int4"``, ``"hqq-int2"``: transformers'
+  ``QuantizedCache`` with that backend and its defaults (residual window 128), when the
+  backend package is installed; ``"hf-fp8"``: its per-tensor FP8 backend;
+- any name in ``lessmem.kvcache.PRESETS``;
+
+or given as a ``KVConfig`` or a :class:`CacheSpec` (a name plus a factory building the
+cache from the model config, e.g. for custom caches in tests).
+
+Bytes are what the cache holds: ``cache.memory()`` for lessmem caches; for the others,
+every tensor found on the cache layers (quanto's packed tensors are unflattened down
+to their storage) — keys and values at their real dtype, so an fp32 ``DynamicCache``
+costs 4 bytes per element. ``fp16_kv_bytes`` is 2 bytes per logical K/V element held.
+
+Example:
+    >>> from lessmem.models import tiny_random
+    >>> spec = resolve_configs(["dynamic"])[0]
+    >>> cache = spec.make(tiny_random().config)
+    >>> type(cache).__name__, spec.kind
+    ('DynamicCache', 'baseline')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+BASELINE = "dynamic"
+PEERS = {
+    # name: (backend, nbits, python package that backend needs or None)
+    "quanto-int4": ("quanto", 4, "optimum.quanto"),
+    "quanto-int2": ("quanto", 2, "optimum.quanto"),
+    "hqq-int4": ("hqq", 4, "hqq"),
+    "hqq-int2": ("hqq", 2, "hqq"),
+    "hf-fp8": ("fp8", None, None),
+}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A named way to build a cache for a model config.
+
+    ``kind`` is ``"baseline"``, ``"lessmem"``, ``"peer"`` or ``"custom"``; ``detail``
+    is a JSON-able description (the KVConfig dict for lessmem caches).
+
+    Example:
+        >>> from transformers import DynamicCache
+        >>> spec = CacheSpec("mine", lambda cfg: DynamicCache(config=cfg))
+        >>> spec.kind
+        'custom'
+    """
+
+    name: str
+    factory: Callable[[Any], Any]
+    kind: str = "custom"
+    detail: Any = None
+
+    def make(self, model_config):
+        return self.factory(model_config)
+
+
+def _module_available(name: str | None) -> bool:
+    if name is None:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def available_peers() -> list[str]:
+    """Peer cache names whose backend is installed here."""
+    return [n for n, (_, _, pkg) in PEERS.items() if _module_available(pkg)]
+
+
+def lessmem_presets() -> dict:
+    """``lessmem.kvcache.PRESETS`` or ``{}`` while the kvcache layer is unavailable."""
+    try:
+        from lessmem.kvcache import PRESETS
+    except ImportError:
+        return {}
+    return dict(PRESETS)
+
+
+def _dynamic(cfg):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=cfg)
+
+
+def _peer_factory(backend: str, nbits: int | None):
+    def make(cfg):
+        from transformers import QuantizedCache
+
+        if nbits is None:
+            return QuantizedCache(backend, cfg)
+        return QuantizedCache(backend, cfg, nbits=nbits)
+
+    return make
+
+
+def _lessmem_factory(preset):
+    def make(cfg):
+        from lessmem.kvcache import KVCache
+
+        return KVCache(cfg, preset)
+
+    return make
+
+
+def resolve_config(config) -> CacheSpec:
+    """One config (name, KVConfig or CacheSpec) -> :class:`CacheSpec`; ValueError if unknown."""
+    if isinstance(config, CacheSpec):
+        return config
+    if isinstance(config, str):
+        name = config.strip()
+        if name == BASELINE:
+            return CacheSpec(BASELINE, _dynamic, "baseline", {"cache": "transformers.DynamicCache"})
+        if name in PEERS:
+            backend, nbits, pkg = PEERS[name]
+            if not _module_available(pkg):
+                raise ValueError(f"peer cache {name!r} needs the {pkg!r} package, which is not installed")
+            detail = {"cache": "transformers.QuantizedCache", "backend": backend, "nbits": nbits}
+            return CacheSpec(name, _peer_factory(backend, nbits), "peer", detail)
+        presets = lessmem_presets()
+        if name in presets:
+            return CacheSpec(name, _lessmem_factory(name), "lessmem", _to_dict(presets[name]))
+        allowed = [BASELINE, *available_peers(), *presets]
+        raise ValueError(f"unknown KV config {name!r}; allowed: {', '.join(allowed)}")
+    if hasattr(config, "to_dict") and type(config).__name__ == "KVConfig":
+        d = config.to_dict()
+        same = [n for n, p in lessmem_presets().items() if p == config]
+        digest = hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
+        name = same[0] if same else f"kvconfig-{digest}"
+        return CacheSpec(name, _lessmem_factory(config), "lessmem", d)
+    raise ValueError(f"KV config must be a preset name, a KVConfig or a CacheSpec, got {config!r}")
+
+
+def resolve_configs(configs) -> list[CacheSpec]:
+    """Resolve a list (or comma-separated string) of configs; names must be unique."""
+    if isinstance(configs, str):
+        configs = [c for c in configs.split(",") if c.strip()]
+    specs = [resolve_config(c) for c in configs]
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"KV configs must be unique, got {', '.join(dup)} more than once")
+    return specs
+
+
+def _to_dict(cfg):
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)
+
+
+def cache_kwarg(model) -> str:
+    """The keyword the model's forward takes the cache under (``cache`` in newer transformers)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def _tensors(obj, depth: int = 0):
+    """Every plain storage tensor inside ``obj`` (tensor subclasses unflattened)."""
+    if depth > 6 or obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            for n in names:
+                yield from _tensors(getattr(obj, n), depth + 1)
+        else:
+            yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o, depth + 1)
+
+
+def _logical_numel(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel()
+    if isinstance(obj, (tuple, list)) and obj and isinstance(obj[0], torch.Tensor):
+        return obj[0].numel()  # (codes, scale) pairs, e.g. transformers' fp8 layer
+    return 0
+
+
+def _nbytes(obj) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+def measure_memory(cache) -> dict:
+    """Bytes a cache holds: ``total``, ``fp16_equivalent``, ``k_bits``, ``v_bits`` and parts.
+
+    lessmem caches report through ``cache.memory()``; for transformers caches the
+    tensors on each layer are summed: ``keys``/``values`` (full precision, the residual
+    window of quantized caches) and ``_quantized_keys``/``_quantized_values``.
+    ``k_bits``/``v_bits`` are bits per element over the quantized tokens (over all
+    tokens when nothing is quantized).
+    """
+    if hasattr(cache, "memory") and callable(cache.memory):
+        mem = dict(cache.memory())
+        if "total" not in mem:
+            raise ValueError(f"cache.memory() of {type(cache).__name__} lacks 'total': {sorted(mem)}")
+        return mem
+    parts = {"window": 0, "quantized": 0}
+    side = {s: {"fp_b": 0, "fp_n": 0, "q_b": 0, "q_n": 0} for s in ("k", "v")}
+    for layer in getattr(cache, "layers", []):
+        for s, fp_attr, q_attr in (("k", "keys", "_quantized_keys"), ("v", "values", "_quantized_values")):
+            fp, q = getattr(layer, fp_attr, None), getattr(layer, q_attr, None)
+            if isinstance(fp, torch.Tensor) and fp.numel():
+                side[s]["fp_b"] += _nbytes(fp)
+                side[s]["fp_n"] += fp.numel()
+            if q is not None:
+                side[s]["q_b"] += _nbytes(q)
+                side[s]["q_n"] += _logical_numel(q)
+    for s in side.values():
+        parts["window"] += s["fp_b"]
+        parts["quantized"] += s["q_b"]
+
+    def bits(s):
+        if s["q_n"]:
+            return 8.0 * s["q_b"] / s["q_n"]
+        return 8.0 * s["fp_b"] / s["fp_n"] if s["fp_n"] else 0.0
+
+    n = sum(s["fp_n"] + s["q_n"] for s in side.values())
+    return {
+        **parts,
+        "total": parts["window"] + parts["quantized"],
+        "fp16_equivalent": 2 * n,
+        "k_bits": bits(side["k"]),
+        "v_bits": bits(side["v"]),
+    }

@@ -1,0 +1,234 @@
+"""The evaluation protocol: perplexity, KLD and top-1 agreement of KV caches.
+
+Protocol (fixed, reproducible):
+
+1. The text is tokenized without special tokens and cut into consecutive,
+   non-overlapping windows of ``window_len`` tokens; the first ``windows`` are used.
+2. For each window and each config a fresh cache is built; the first
+   ``P = window_len // 4`` tokens are prefilled through it in one forward pass;
+   the remaining tokens are fed through the same cache in chunks of ``chunk`` tokens
+   (``chunk=1`` is exact token-by-token decoding).
+3. Every token after the prefill is scored (``window_len - P`` per window): token
+   ``P`` from the prefill's last logits, tokens ``P+1..N-1`` from the chunks' logits.
+4. The unquantized baseline (transformers ``DynamicCache``) runs in lockstep with the
+   configs, chunk by chunk, so its next-token distribution ``p`` is held for one chunk
+   only (``[chunk, vocab]``), never for the whole text. Per config with distribution
+   ``q``::
+
+       ppl    = exp(mean_t  -log q_t(x_t))
+       kld    = mean_t  sum_v p_t(v) (log p_t(v) - log q_t(v))      # KL(p || q), nats
+       top1   = mean_t  [argmax q_t == argmax p_t]
+       delta_ppl_pct = 100 (ppl / ppl_baseline - 1)
+
+5. Bytes are read from the cache after the whole window (``window_len`` tokens held);
+   ``tok_per_s`` is tokens fed in the chunk phase / seconds spent in those forwards.
+
+Example:
+    >>> from lessmem.models import tiny_random, tiny_tokenizer
+    >>> rows = evaluate(tiny_random(), tiny_tokenizer(), ["dynamic"], "hello world " * 40,
+    ...                 windows=2, window_len=64, chunk=8)
+    >>> rows[0]["config"], rows[0]["delta_ppl_pct"], rows[0]["kld"]
+    ('dynamic', 0.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+
+from lessmem.eval.caches import BASELINE, CacheSpec, cache_kwarg, measure_memory, resolve_configs
+
+MIN_WINDOW_LEN = 8
+
+
+def check_protocol(windows: int, window_len: int, chunk: int) -> None:
+    """ValueError naming the bad protocol value and what is allowed."""
+    for name, v, lo in (("windows", windows, 1), ("window_len", window_len, MIN_WINDOW_LEN), ("chunk", chunk, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}={v!r}; allowed: an integer >= {lo}")
+
+
+def make_windows(tok, text, windows: int, window_len: int) -> torch.Tensor:
+    """``[windows, window_len]`` token ids: consecutive windows from the text's start.
+
+    ``text`` is a string (tokenized without special tokens, only as much as needed)
+    or a 1-D tensor of token ids.
+
+    Example:
+        >>> from lessmem.models import tiny_tokenizer
+        >>> make_windows(tiny_tokenizer(), "abcdefghij" * 4, 2, 16).shape
+        torch.Size([2, 16])
+    """
+    check_protocol(windows, window_len, 1)
+    need = windows * window_len
+    if isinstance(text, torch.Tensor):
+        ids = text.reshape(-1).long()
+    else:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string or a 1-D tensor of token ids, got {type(text).__name__}")
+        n_chars = max(need * 8, 4096)  # most tokenizers average < 8 chars per token
+        while True:
+            ids = torch.tensor(tok(text[:n_chars], add_special_tokens=False)["input_ids"], dtype=torch.long)
+            if ids.numel() > need or n_chars >= len(text):
+                break
+            n_chars *= 2
+    if ids.numel() < need:
+        raise ValueError(
+            f"the text has {ids.numel()} tokens; windows={windows} x window_len={window_len} needs "
+            f"{need}; use fewer or shorter windows or a longer text"
+        )
+    return ids[:need].reshape(windows, window_len)
+
+
+class _Acc:
+    """Running sums for one config (float64 on CPU)."""
+
+    def __init__(self):
+        self.nll = self.kld = 0.0
+        self.top1 = self.n = 0
+        self.fed = 0
+        self.seconds = 0.0
+        self.mem: list[dict] = []
+
+    def add(self, logits, base_logp, base_top, targets):
+        # logits [T, V] of this config; base_logp [T, V] baseline log-probs; targets [T]
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        self.nll -= float(logq.gather(-1, targets[:, None]).double().sum())
+        p = base_logp.exp()
+        self.kld += float((p * (base_logp - logq)).sum(-1).clamp_min(0).double().sum())
+        self.top1 += int((logq.argmax(-1) == base_top).sum())
+        self.n += targets.numel()
+
+
+def _mean_mem(mems: list[dict]) -> dict:
+    keys = [k for k, v in mems[0].items() if isinstance(v, (int, float))]
+    return {k: sum(m[k] for m in mems) / len(mems) for k in keys}
+
+
+@torch.inference_mode()
+def evaluate(
+    model,
+    tok,
+    configs,
+    text,
+    windows: int = 4,
+    window_len: int = 1024,
+    chunk: int = 16,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    model_name: str | None = None,
+    text_name: str | None = None,
+) -> list[dict]:
+    """Run the protocol (module docstring) for each config; one result dict per config.
+
+    ``configs``: names (``"dynamic"``, peers, lessmem presets), KVConfigs or
+    CacheSpecs; the ``"dynamic"`` baseline is always evaluated and comes first.
+    ``progress(done, total)`` is called after every forward step of every window.
+    Each dict carries ``config, kind, ppl, delta_ppl_pct, kld, top1, k_bits, v_bits,
+    kv_bytes, fp16_kv_bytes, compression, tok_per_s, speed_vs_baseline, tokens_scored,
+    memory`` and the protocol (``model, text, windows, window_len, chunk, prefill``).
+
+    Example:
+        >>> from lessmem.models import tiny_random, tiny_tokenizer
+        >>> r = evaluate(tiny_random(), tiny_tokenizer(), [], "abc " * 50, 1, 32, 4)
+        >>> r[0]["tokens_scored"], r[0]["prefill"], r[0]["top1"]
+        (24, 8, 1.0)
+    """
+    check_protocol(windows, window_len, chunk)
+    specs = resolve_configs(configs)
+    base = [s for s in specs if s.name == BASELINE] or resolve_configs([BASELINE])
+    specs = base + [s for s in specs if s.name != BASELINE]
+    ids_all = make_windows(tok, text, windows, window_len)
+    P = window_len // 4
+    kw = cache_kwarg(model)
+    device = next(model.parameters()).device
+    accs = {s.name: _Acc() for s in specs}
+    starts = list(range(P, window_len, chunk))
+    total, done = windows * (1 + len(starts)), 0
+
+    for w in range(windows):
+        ids = ids_all[w : w + 1].to(device)  # [1, N]
+        caches = {s.name: s.make(model.config) for s in specs}
+        # prefill: last logits predict token P
+        base_logp = base_top = None
+        for s in specs:
+            out = model(ids[:, :P], **{kw: caches[s.name]}, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1:]  # [1, V]
+            if base_logp is None:
+                base_logp = torch.log_softmax(logits.float(), -1)
+                base_top = base_logp.argmax(-1)
+            accs[s.name].add(logits, base_logp, base_top, ids[0, P : P + 1])
+        done += 1
+        if progress:
+            progress(done, total)
+        for st in starts:
+            en = min(st + chunk, window_len)
+            x = ids[:, st:en]  # [1, c]
+            targets = ids[0, st + 1 : en + 1]  # the last chunk's last logit has no target
+            n_t = targets.numel()
+            base_logp = base_top = None
+            for s in specs:
+                acc = accs[s.name]
+                t0 = time.perf_counter()
+                out = model(x, **{kw: caches[s.name]}, use_cache=True)
+                acc.seconds += time.perf_counter() - t0
+                acc.fed += x.shape[1]
+                logits = out.logits[0, :n_t]  # [n_t, V]
+                if n_t == 0:
+                    continue
+                if base_logp is None:
+                    base_logp = torch.log_softmax(logits.float(), -1)
+                    base_top = base_logp.argmax(-1)
+                acc.add(logits, base_logp, base_top, targets)
+            done += 1
+            if progress:
+                progress(done, total)
+        for s in specs:
+            accs[s.name].mem.append(measure_memory(caches[s.name]))
+        del caches
+
+    protocol = {
+        "model": model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+        "text": text_name or ("<ids>" if isinstance(text, torch.Tensor) else "<string>"),
+        "windows": windows,
+        "window_len": window_len,
+        "chunk": chunk,
+        "prefill": P,
+    }
+    return _rows(specs, accs, protocol)
+
+
+def _rows(specs: list[CacheSpec], accs: dict, protocol: dict) -> list[dict]:
+    rows = []
+    b = accs[specs[0].name]
+    base_ppl = math.exp(b.nll / b.n)
+    base_tps = b.fed / b.seconds if b.seconds > 0 else float("nan")
+    for s in specs:
+        a = accs[s.name]
+        mem = _mean_mem(a.mem)
+        ppl = math.exp(a.nll / a.n)
+        tps = a.fed / a.seconds if a.seconds > 0 else float("nan")
+        kv, fp16 = int(round(mem["total"])), int(round(mem.get("fp16_equivalent", 0)))
+        rows.append({
+            "config": s.name,
+            "kind": s.kind,
+            "ppl": ppl,
+            "delta_ppl_pct": 100.0 * (ppl / base_ppl - 1.0),
+            "kld": a.kld / a.n,
+            "top1": a.top1 / a.n,
+            "k_bits": float(mem.get("k_bits", float("nan"))),
+            "v_bits": float(mem.get("v_bits", float("nan"))),
+            "kv_bytes": kv,
+            "fp16_kv_bytes": fp16,
+            "compression": fp16 / kv if kv else float("nan"),
+            "tok_per_s": tps,
+            "speed_vs_baseline": tps / base_tps if base_tps == base_tps and base_tps > 0 else float("nan"),
+            "tokens_scored": a.n,
+            "memory": mem,
+            "detail": s.detail,
+            **protocol,
+        })
+    return rows
