@@ -103,9 +103,11 @@ def test_kquant_dequantize_bit_exact_with_gguf_property(seed, log_scale, zero_fr
     ours = dequantize_gguf(raw, name, x.shape).numpy()
     theirs = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name.upper()))
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
-    # and it is a sensible reconstruction: error well below the signal
+    # and a sensible reconstruction (worst relative squared error seen over 540 draws:
+    # q2_k 0.42 on 90%-zero data, q3_k 0.026, q4_k 0.0059, q5_k 0.0046, q6_k 0.0013)
+    bound = {"q2_k": 0.6, "q3_k": 0.06, "q4_k": 0.015, "q5_k": 0.012, "q6_k": 0.004}[name]
     err = float(((x - torch.from_numpy(ours)) ** 2).sum())
-    assert err < 0.2 * float((x**2).sum()) + 1e-30
+    assert err <= bound * float((x**2).sum())
 
 
 def _weighted_error(x, w, scale, neg_min, L):
