@@ -94,7 +94,8 @@ def solve_awq(block, arch: Arch, hidden, kwargs, cfgs: dict, config, keep_tokens
     return info
 
 
-def solve_smoothquant(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
+def smooth_block(block, arch: Arch, hidden, kwargs, cfgs: dict, alpha: float) -> dict:
+    """SmoothQuant's folding alone (no quantization): the block's float output is unchanged."""
     names = [n for g in arch.groups for n in g.linears if n in cfgs]
     mods = {n: get_module(block, n) for n in names}
     obs = observe(mods, lambda: run_block(block, hidden, kwargs))
@@ -104,10 +105,16 @@ def solve_smoothquant(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> 
         if not g.smooth or not lins:
             continue
         xmax = torch.stack([obs[n].abs_max for n in lins]).amax(0)
-        s = smooth_scale(xmax, [m.weight for m in lins.values()], config.alpha)
+        s = smooth_scale(xmax, [m.weight for m in lins.values()], alpha)
         fold_scale(block, g, lins, s)
         info[g.prev] = {"act_absmax_before": float(xmax.max()), "act_absmax_after": float((xmax / s).max())}
-    for n, lin in mods.items():
+    return info
+
+
+def solve_smoothquant(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
+    info = smooth_block(block, arch, hidden, kwargs, cfgs, config.alpha)
+    for n in [n for g in arch.groups for n in g.linears if n in cfgs]:
+        lin = get_module(block, n)
         _replace(block, n, rtn_quantize(lin.weight.data, 8, None, True), act_bits=8)
     return info
 

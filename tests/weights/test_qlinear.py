@@ -1,0 +1,84 @@
+"""QuantLinear: every layout against the dequantize-then-matmul reference; codes round-trip."""
+
+import pytest
+import torch
+
+import lessmem
+from lessmem.models import tiny_random
+from lessmem.weights.qlinear import QuantLinear
+from lessmem.weights.rtn import rtn_quantize
+
+
+@pytest.mark.parametrize("bits,gs,sym,layout", [
+    (2, 32, False, "packed"), (3, 64, True, "packed"), (4, 64, False, "int4pack"),
+    (4, 32, True, "int4pack"), (8, None, True, "int8"),
+])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_forward_matches_dequantized(bits, gs, sym, layout, rows):
+    torch.manual_seed(bits + rows)
+    lin = torch.nn.Linear(128, 48)
+    q = QuantLinear.from_linear(lin, bits, gs, sym)
+    assert q.layout == layout
+    x = torch.randn(rows, 128)
+    expect = x @ q.dequantized_weight().T + lin.bias
+    # int4pack rounds activations to bf16 (relative 2^-9), the others are float32
+    tol = 3e-2 if layout == "int4pack" else 1e-4
+    torch.testing.assert_close(q(x), expect, rtol=tol, atol=tol)
+
+
+def test_codes_and_dequantized_weight_match_rtn():
+    torch.manual_seed(0)
+    w = torch.randn(32, 128)
+    for bits, gs, sym in [(2, 32, False), (3, 32, True), (4, 64, False), (8, 128, True)]:
+        qw = rtn_quantize(w, bits, gs, sym)
+        q = QuantLinear.from_quantized(qw)
+        assert torch.equal(q.codes(), qw.codes)
+        if q.layout != "int4pack":
+            torch.testing.assert_close(q.dequantized_weight(), qw.dequantize())
+
+
+def test_w8a8_close_to_float():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64)
+    q = QuantLinear.from_linear(lin, 8, None, True, act_bits=8)
+    x = torch.randn(2, 256)
+    rel = (q(x) - lin(x)).norm() / lin(x).norm()
+    assert rel < 0.02
+    # fused (few rows) and BLAS (many rows) paths agree
+    xb = torch.randn(40, 256)
+    torch.testing.assert_close(q(xb[:3]), q(xb)[:3], rtol=1e-5, atol=1e-5)
+
+
+def test_rtn_error_bound_and_bits():
+    torch.manual_seed(0)
+    w = torch.randn(16, 256)
+    for bits in (2, 3, 4):
+        qw = rtn_quantize(w, bits, 64, False)
+        step = qw.scale.float().repeat_interleave(64, 1)
+        assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-5).all()
+    q = QuantLinear.from_linear(torch.nn.Linear(256, 16, bias=False), 4, 128, False)
+    assert q.bits_per_weight == 4 + 24 / 128
+
+
+def test_bad_quantlinear_args():
+    with pytest.raises(ValueError, match="bits=5"):
+        QuantLinear(64, 8, 5, 32, True)
+    with pytest.raises(ValueError, match="group_size=48 does not divide in_features=64"):
+        QuantLinear(64, 8, 4, 48, True)
+    with pytest.raises(ValueError, match="act_bits=4"):
+        QuantLinear(64, 8, 8, 64, True, act_bits=4)
+
+
+def test_quantize_skip_overrides_filter(capsys):
+    model = tiny_random("llama")
+    cfg = lessmem.RTNConfig(bits=4, group_size=32, overrides={
+        "*.layers.1.*": None, "*.v_proj": {"bits": 8, "group_size": None, "symmetric": True}})
+    rep = lessmem.quantize_(model, cfg, filter_fn=lambda name, m: not name.endswith("o_proj"))
+    layers = model.model.layers
+    assert isinstance(layers[0].self_attn.q_proj, QuantLinear) and layers[0].self_attn.q_proj.bits == 4
+    assert layers[0].self_attn.v_proj.bits == 8
+    assert type(layers[0].self_attn.o_proj) is torch.nn.Linear  # filter_fn
+    assert type(layers[1].mlp.up_proj) is torch.nn.Linear  # override None
+    assert type(model.lm_head) is torch.nn.Linear  # skipped by default
+    assert rep["n_quantized"] == 6
+    assert "[6/6] rtn" in capsys.readouterr().err  # the per-layer progress
