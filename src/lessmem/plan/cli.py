@@ -22,7 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", default="1", help="concurrent requests (default 1)")
     p.add_argument("--kv", default=None,
                    help="comma-separated KV precisions: fp16,bf16,fp8,int8,int4,int2, k8v4, lessmem "
-                        "presets (lessmem:int4, kivi-4, kivi-2, int4-rot) or NAME:g=32:window=128:sinks=4 "
+                        "presets (lessmem:fp8, lessmem:int8, lessmem:int4, kivi-4, kivi-2, int4-rot, best-4, best-2) or "
+                        "NAME:g=32:window=128:sinks=4 "
                         "(default fp16,fp8,int8,int4)")
     p.add_argument("--weights", default="fp16",
                    help="comma-separated weight formats: fp16, bf16, int8, int4-g32, uint4-g128, q4_0, "

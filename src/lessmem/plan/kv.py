@@ -8,8 +8,9 @@ recent ``window`` tokens in full precision, and may leave whole layers unquantiz
 
 Convention: the bare names ``fp16 bf16 fp8 int8 int4 int2`` (and ``kXvY`` such as
 ``k8v4``) count the codes only, as the lecture's 65,536·b does. Metadata and windows
-are counted for ``lessmem:<preset>`` names (and the unambiguous ``kivi-2``/``kivi-4``/
-``int4-rot``), or when options are given: ``int4:g=32:zp=1:window=128:sinks=4``.
+are counted for the lessmem cache presets — ``lessmem:fp8``, ``lessmem:int8``,
+``lessmem:int4`` (prefixed where the name clashes), ``kivi-4``, ``kivi-2``, ``int4-rot``,
+``best-4``, ``best-2`` — or when options are given: ``int4:g=32:zp=1:window=128:sinks=4``.
 
 Groups are (tokens × channels) sharing one scale: per-token keys/values in groups of
 g channels are (1, g); KIVI keys per channel in groups of G tokens are (G, 1). Tokens
@@ -186,31 +187,36 @@ RAW: dict[str, KVPrecision] = {
 }
 
 
-def _lessmem(name, kb, vb, kg=(1, None), vg=(1, None), k_zp=0.0, v_zp=0.0, rot=False, quality="lossy",
-             desc=""):
-    # lessmem.kvcache conventions: fp16 scales, uint8 zero points (asymmetric), window 128,
-    # sinks 4, tokens leave the window in blocks of 32, window/sinks in fp16.
-    return KVPrecision(name, kb, vb, kg[0], kg[1], vg[0], vg[1], 2.0, 2.0, k_zp, v_zp,
-                       window=128, sinks=4, block=32, full_bytes=2.0, rotated=rot,
+def _lessmem(name, kb, vb, kg=(1, None), vg=(1, None), zp=1.0, rot=False, window=128, sinks=4, block=32,
+             quality="lossy", desc=""):
+    # lessmem.kvcache conventions: fp16 scales, uint8 zero points (asymmetric only), window
+    # and sinks in fp16, tokens leave the window in blocks.
+    return KVPrecision(name, kb, vb, kg[0], kg[1], vg[0], vg[1], 2.0, 2.0, zp, zp,
+                       window=window, sinks=sinks, block=block, full_bytes=2.0, rotated=rot,
                        quality=quality, description=desc)
 
 
-# Mirrors lessmem.kvcache's presets (KVConfig); tests/plan checks the two agree when
-# the cache is importable. Names are prefixed "lessmem:" where they clash with a raw name.
+# Mirrors lessmem.kvcache.PRESETS (KVConfig.to_plan gives the same KVPrecision; tests/plan
+# checks that, and that these bytes match a filled cache's memory()). Names clashing with a
+# bare precision get the "lessmem:" prefix.
 LESSMEM: dict[str, KVPrecision] = {
     p.name: p for p in (
-        _lessmem("lessmem:fp8", 8, 8, quality="near-lossless",
-                 desc="fp8 E4M3 per-token fp16 scale, window 128, sinks 4"),
-        _lessmem("lessmem:int8", 8, 8, quality="near-lossless",
-                 desc="int8 symmetric per-token, window 128, sinks 4"),
-        _lessmem("lessmem:int4", 4, 4, (1, 32), (1, 32), 1.0, 1.0,
-                 desc="uint4 per-token groups of 32 channels, window 128, sinks 4"),
-        _lessmem("kivi-4", 4, 4, (32, 1), (1, 32), 1.0, 1.0,
-                 desc="KIVI: keys per-channel (32 tokens), values per-token (32 ch), window 128"),
-        _lessmem("kivi-2", 2, 2, (32, 1), (1, 32), 1.0, 1.0,
-                 desc="KIVI 2-bit: keys per-channel (32 tokens), values per-token (32 ch)"),
-        _lessmem("int4-rot", 4, 4, (32, 1), (1, 32), 1.0, 1.0, rot=True,
-                 desc="kivi-4 with Hadamard-rotated keys (rotation adds no bytes)"),
+        KVPrecision("lessmem:fp16", 16, 16, quality="reference",
+                    description="lessmem fp16 preset: nothing quantized (= DynamicCache)"),
+        _lessmem("lessmem:fp8", 8, 8, zp=0.0, quality="near-lossless",
+                 desc="fp8-e4m3 per token (fp16 scale), window 128, sinks 4"),
+        _lessmem("lessmem:int8", 8, 8, zp=0.0, quality="near-lossless",
+                 desc="symmetric int8 per token, window 128, sinks 4"),
+        _lessmem("lessmem:int4", 4, 4, desc="asymmetric int4 per token, window 128, sinks 4"),
+        _lessmem("kivi-4", 4, 4, (32, 1), sinks=0,
+                 desc="KIVI: int4 keys per channel (32-token groups), values per token, window 128"),
+        _lessmem("kivi-2", 2, 2, (32, 1), sinks=0,
+                 desc="KIVI: int2 keys per channel (32-token groups), values per token, window 128"),
+        _lessmem("int4-rot", 4, 4, rot=True, desc="int4 per token, Hadamard-rotated keys and values"),
+        _lessmem("best-4", 4, 4, (64, 1), rot=True, window=96, block=64,
+                 desc="int4 keys per channel (64 tokens) rotated, int4 values per token, window 96"),
+        _lessmem("best-2", 3, 2, (64, 1), (1, 32), rot=True, window=96, block=64,
+                 desc="3-bit rotated per-channel keys (64 tokens), 2-bit rotated values (groups of 32)"),
     )
 }
 
