@@ -56,3 +56,11 @@ def test_planner_matches_the_cache_within_2_percent(name, smol_config):
         held = cache.memory()["total"]
         planned = kv_bytes(model, length, 2, get_kv(_plan_name(name)))["total"]
         assert abs(planned - held) <= 0.02 * held, (name, length, planned, held)
+
+
+def test_plan_accepts_a_kvconfig():
+    from lessmem.plan import plan
+
+    cfg = kvcache.PRESETS["kivi-2"].replace(window=64)
+    r = plan("smollm2-135m", context=4096, kv=[cfg])["kv"][0]
+    assert r["precision"] == "custom" and r["full_precision_tokens"] == 64

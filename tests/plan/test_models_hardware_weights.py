@@ -144,3 +144,9 @@ def test_int8_per_channel_and_bad_formats():
     assert 8.0 < w["model_bpw"] < 8.01  # one fp16 scale per row of 4096 / 14336
     with pytest.raises(ValueError, match=r"unknown weight format 'int9'; choose one of: fp32, fp16"):
         get_weight_format("int9")
+
+
+def test_per_transfer_latencies_in_the_lectures_ranges():
+    hw = get_hardware("lecture-gpu")
+    assert 5e-6 <= hw.pcie_latency_s <= 10e-6 and 20e-6 <= hw.nvme_latency_s <= 50e-6
+    assert 1500e9 <= hw.hbm_bw <= 3300e9  # "1,500-3,300 GB/s"

@@ -244,9 +244,12 @@ def _parse_int(name, v, spec):
 
 
 def get_kv(spec: str | KVPrecision) -> KVPrecision:
-    """A KVPrecision from a name (see ``kv_choices()``) or a ``NAME:opt=val`` spec."""
+    """A KVPrecision from a name (see ``kv_choices()``), a ``NAME:opt=val`` spec, or any object
+    with ``to_plan()`` (a ``lessmem.kvcache.KVConfig``; duck-typed so torch is never imported)."""
     if isinstance(spec, KVPrecision):
         return spec
+    if hasattr(spec, "to_plan"):
+        return spec.to_plan("custom")
     s = str(spec).strip().lower()
     base, *opts = s.split(":") if not s.startswith("lessmem:") else ["lessmem:" + s.split(":")[1],
                                                                    *s.split(":")[2:]]
