@@ -26,3 +26,11 @@ def golden_input() -> np.ndarray:
     x[5, :512] = 0  # half-zero row: zero blocks next to normal ones
     x[6] *= np.float32(2.0**-20)  # tiny values
     return x
+
+
+def golden_imatrix() -> np.ndarray:
+    """[1024] float32 importance weights: small exact values, some zero columns."""
+    j = np.arange(1024)
+    w = ((j * 37) % 17 + 1).astype(np.float32) / np.float32(8)
+    w[j % 29 == 0] = 0
+    return w

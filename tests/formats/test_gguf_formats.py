@@ -176,7 +176,7 @@ def test_unknown_type_names_allowed():
 def test_options_rejected():
     from lessmem.formats import PerGroup
 
-    with pytest.raises(ValueError, match=r"Q4_K has a fixed layout and takes no options; got granularity"):
+    with pytest.raises(ValueError, match=r"Q4_K has a fixed layout and takes no options but imatrix; got granularity"):
         quantize(torch.randn(2, 256), "q4_k", granularity=PerGroup(32))
 
 

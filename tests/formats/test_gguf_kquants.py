@@ -13,7 +13,7 @@ from _gguf_golden import golden_input
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lessmem.formats import gguf_kquants as kq
+from lessmem.formats import gguf_search as kq
 from lessmem.formats._gguf_reference import REFERENCE_QUANTIZERS
 from lessmem.formats.gguf import GGUF_TYPES, dequantize_gguf, quantize_gguf
 
@@ -77,7 +77,11 @@ def _ggml_lib():
 
 
 def test_bytes_equal_live_llama_cpp_build():
-    """Opt-in: fresh random data against a locally built llama.cpp quantizer, every type."""
+    """Opt-in: fresh random data against a locally built llama.cpp quantizer, every type.
+
+    The library also needs a stub ``size_t ggml_row_size(int type, int64_t ne)`` (bytes of
+    ``ne`` values of a K type) for the imatrix entry points.
+    """
     lib = _ggml_lib()
     rng = np.random.default_rng(7)
     x = rng.standard_normal((32, 1024)).astype(F32)
@@ -89,6 +93,13 @@ def test_bytes_equal_live_llama_cpp_build():
         fn = getattr(lib, f"quantize_row_{name.replace('_k', '_K')}_ref")
         fn(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size))
         assert np.array_equal(quantize_gguf(torch.from_numpy(x), name).reshape(-1), out), name
+        if t.block_size == 256:  # with an importance matrix: quantize_<type>(..., quant_weights)
+            qw = rng.uniform(0, 2, x.shape[1]).astype(F32)
+            fn = getattr(lib, f"quantize_{name.replace('_k', '_K')}")
+            fn(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+               ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]), qw.ctypes.data_as(ctypes.c_void_p))
+            ours = quantize_gguf(torch.from_numpy(x), name, imatrix=qw).reshape(-1)
+            assert np.array_equal(ours, out), f"{name} imatrix"
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -60,7 +60,7 @@ class GGUFType:
     type_size: int  # bytes per block
     bits: int
     fp16_offsets: tuple[int, ...]  # byte offsets of the fp16 fields in a block
-    quantize_blocks: Callable[[np.ndarray], np.ndarray]  # [N, block_size] f32 -> [N, type_size] u8
+    quantize_blocks: Callable[..., np.ndarray]  # ([N, block_size] f32[, qw]) -> [N, type_size] u8
     dequantize_blocks: Callable[[np.ndarray], np.ndarray]  # [N, type_size] u8 -> [N, block_size] f32
 
     @property
@@ -242,22 +242,55 @@ def _as_rows(x, t: GGUFType) -> np.ndarray:
 _CHUNK_ELEMENTS = 65536
 
 
-def quantize_gguf(x, qtype) -> np.ndarray:
+def _as_imatrix(imatrix, t: GGUFType, n: int) -> np.ndarray:
+    if t.block_size != 256:
+        raise ValueError(
+            f"imatrix is used by the K-quants only (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), not {t.name.upper()}"
+        )
+    if isinstance(imatrix, torch.Tensor):
+        imatrix = imatrix.detach().cpu().numpy()
+    w = np.asarray(imatrix)
+    if not np.issubdtype(w.dtype, np.floating) or w.shape != (n,):
+        raise ValueError(
+            f"imatrix must be a 1-D float array with one weight per column ({n}); "
+            f"got dtype {w.dtype} and shape {w.shape}"
+        )
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError("imatrix must hold finite, non-negative weights (mean squared activations)")
+    return w.astype(F32)
+
+
+def quantize_gguf(x, qtype, imatrix=None) -> np.ndarray:
     """Quantize ``x`` to GGUF blocks; returns the raw bytes, shape ``[*x.shape[:-1], row_bytes]``.
 
     This is what a GGUF file stores for the tensor (``gguf.quants.quantize`` gives the
-    same array for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0).
+    same array for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0; the K-quants give llama.cpp's bytes).
+
+    ``imatrix`` (K-quants only): one non-negative importance weight per column, e.g. the
+    mean squared input activation of each input feature of a linear layer, as in
+    ``llama-quantize --imatrix``; the scale searches then minimise the weighted error.
 
     Example:
         >>> import torch
         >>> quantize_gguf(torch.zeros(3, 512), "Q6_K").shape
         (3, 420)
+        >>> w = torch.randn(4, 256)
+        >>> quantize_gguf(w, "q4_k", imatrix=torch.rand(256)).shape
+        (4, 144)
     """
     t = gguf_type(qtype)
     rows = _as_rows(x, t)
+    qw = None
+    if imatrix is not None:
+        n = int(x.shape[-1])
+        qw = np.broadcast_to(_as_imatrix(imatrix, t, n), (rows.size // n, n)).reshape(rows.shape)
     # chunks of 64K elements keep the K-quant searches' working set in cache (~1.7x)
     step = max(1, _CHUNK_ELEMENTS // t.block_size)
-    raw = np.concatenate([t.quantize_blocks(rows[i:i + step]) for i in range(0, rows.shape[0], step)])
+    parts = []
+    for i in range(0, rows.shape[0], step):
+        args = (rows[i:i + step],) if qw is None else (rows[i:i + step], qw[i:i + step])
+        parts.append(t.quantize_blocks(*args))
+    raw = np.concatenate(parts)
     bad = [o for o in t.fp16_offsets if not np.isfinite(_fp16_at(raw, o)).all()]
     if bad:
         amax = float(np.abs(rows).max())
@@ -310,7 +343,7 @@ _SYMMETRIC = ("q4_0", "q5_0", "q8_0", "q3_k", "q6_k")  # no min / zero point sto
 
 
 def quantize_gguf_qtensor(x, qtype, **options) -> QTensor:
-    """``quantize(x, "q4_k")``: a QTensor of kind "gguf" holding only the raw blocks.
+    """``quantize(x, "q4_k"[, imatrix=w])``: a QTensor of kind "gguf" holding only the raw blocks.
 
     Example:
         >>> import torch
@@ -318,12 +351,13 @@ def quantize_gguf_qtensor(x, qtype, **options) -> QTensor:
         2.625
     """
     t = gguf_type(qtype)
+    imatrix = options.pop("imatrix", None)
     if options:
         raise ValueError(
-            f"GGUF format {t.name.upper()} has a fixed layout and takes no options; "
-            f"got {', '.join(sorted(options))}"
+            f"GGUF format {t.name.upper()} has a fixed layout and takes no options but "
+            f"imatrix; got {', '.join(sorted(options))}"
         )
-    raw = quantize_gguf(x, t)
+    raw = quantize_gguf(x, t, imatrix=imatrix)
     rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
     sub, sub_bits = _K_SUBBLOCKS.get(t.name, (None, None))
     gran = PerGroup(32) if sub is None else SuperBlock(256, sub, sub_scale_bits=sub_bits)

@@ -1,21 +1,14 @@
 """GGUF K-quants (Q2_K … Q6_K): super-blocks of 256 with quantized sub-block scales.
 
-Quantizers follow llama.cpp's ``quantize_row_qN_K_ref`` (no importance matrix), step
-for step in float32, vectorized over all sub-blocks at once. The scale searches:
+Without an importance matrix the quantizers are llama.cpp's ``quantize_row_qN_K_ref``
+(what ``llama-quantize`` runs without ``--imatrix``); with one (``qw``, a weight per
+column) they are its ``quantize_row_qN_K_impl``. Both are step for step in float32,
+vectorized over all sub-blocks at once; the searches live in ``gguf_search``.
 
-- ``make_qkx2``: affine x ~ s*L + m (m <= 0, L in [0, nmax]); try ``nstep+1`` trial
-  inverse scales (rmin + rdelta*i + nmax) / (max - min), fit (s, m) to each trial's
-  codes by weighted least squares, keep the smallest weighted error (Q2_K, Q4_K, Q5_K).
-- ``make_q3``: symmetric x ~ s*L, L in [-nmax, nmax-1], start from the extreme value,
-  then coordinate descent: move one code at a time when it raises
-  (sum w x L)^2 / (sum w L^2) with w = x^2 (Q3_K).
-- ``make_qx``: symmetric, weighted least-squares scale for 19 trial inverse scales
-  -(nmax + 0.1*i) / max, keep the best (Q6_K).
-
-Sums run left to right (``np.cumsum`` is a sequential accumulate) as C's loops do.
-The sub-block scales are then quantized against one fp16 super-block scale (6-bit for
-Q4_K/Q5_K, 4-bit for Q2_K, 6-bit signed for Q3_K, int8 for Q6_K) and the codes
-recomputed against the *stored* scales.
+Each quantizer has a front half (search each sub-block's scale/min and codes, then
+quantize those sub-block scales against one fp16 super-block scale: 6-bit for
+Q4_K/Q5_K, 4-bit for Q2_K, 6-bit signed for Q3_K, int8 for Q6_K) and a shared back half
+(recompute the codes against the *stored* scales, pack the bytes).
 
 Byte layouts (per 256 elements):
   Q2_K  scales[16] (lo nibble scale, hi nibble min) | qs[64] 2-bit | d | dmin     84 B
@@ -29,29 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .gguf_search import GROUP_MAX_EPS, _rint, _seqsum, make_q3, make_qkx2, make_qp, make_qx
+
 F32 = np.float32
 QK_K = 256
-GROUP_MAX_EPS = F32(1e-15)
-
-
-def _seqsum(a: np.ndarray) -> np.ndarray:
-    """Left-to-right float32 sum over axis 0 of a column-major [n, S] array (C loop order)."""
-    acc = a[0].copy()
-    for row in a[1:]:
-        acc += row
-    return acc
-
-
-def _rint(v: np.ndarray) -> np.ndarray:
-    """ggml ``nearest_int`` as int32, bit for bit.
-
-    Adding 1.5 * 2^23 leaves round-half-even(v) in the low mantissa bits, so for
-    |v| <= 2^22 this is ``rint(v)``; outside that range it reproduces ggml's wrap-around
-    too (and never hits an undefined float->int cast).
-    """
-    with np.errstate(over="ignore", invalid="ignore"):
-        bits = (np.asarray(v, dtype=F32) + F32(12582912.0)).view(np.int32)
-    return (bits & 0x007FFFFF) - 0x00400000
 
 
 def _fp16(v: np.ndarray) -> np.ndarray:
@@ -74,127 +48,6 @@ def _first_absmax(x: np.ndarray):
     idx = np.abs(x).argmax(axis=-1)[..., None]
     mx = np.take_along_axis(x, idx, axis=-1)[..., 0]
     return mx, np.abs(mx)
-
-
-# ---------------------------------------------------------------- scale searches
-
-# The searches take rows [S, n] but work column-major ([n, S], one row per element
-# position) so each step of C's element loop is one contiguous vector operation.
-
-def make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad):
-    """Affine search over rows of x [S, n] with weights w -> (scale [S], -min [S], L [S, n])."""
-    x, w = np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)
-    lo = np.minimum(x.min(axis=0), F32(0))
-    hi = x.max(axis=0)
-    sum_w = _seqsum(w)
-    sum_x = _seqsum(w * x)
-    flat = hi == lo
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = F32(nmax) / (hi - lo)
-        scale = F32(1) / iscale
-        L = np.clip(_rint(iscale * (x - lo)), 0, nmax)
-
-        def err(s, m, codes):
-            diff = s * codes.astype(F32) + m - x
-            diff = np.abs(diff) if use_mad else diff * diff
-            return _seqsum(w * diff)
-
-        best = err(scale, lo, L)
-        for i in range(nstep + 1):
-            # ggml keeps using the best (scale, min) found so far: min moves the grid
-            isc = (F32(rmin) + F32(rdelta) * F32(i) + F32(nmax)) / (hi - lo)
-            la = np.clip(_rint(isc * (x - lo)), 0, nmax)
-            lf = la.astype(F32)
-            wl = w * lf
-            sum_l, sum_l2, sum_xl = _seqsum(wl), _seqsum(wl * lf), _seqsum(wl * x)
-            D = sum_w * sum_l2 - sum_l * sum_l
-            # weighted least squares for x ~ s*L + m; m > 0 is not allowed -> m = 0
-            this_s = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_m = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            pos = this_m > 0
-            this_s = np.where(pos, sum_xl / sum_l2, this_s)
-            this_m = np.where(pos, F32(0), this_m)
-            cur = err(this_s, this_m, la)
-            take = (D > 0) & (cur < best) & ~flat
-            L = np.where(take, la, L)
-            best = np.where(take, cur, best)
-            scale = np.where(take, this_s, scale)
-            lo = np.where(take, this_m, lo)
-    scale = np.where(flat, F32(0), scale).astype(F32)
-    L = np.where(flat, 0, L)
-    return scale, (-lo).astype(F32), np.ascontiguousarray(L.T)
-
-
-def _lsq_sums(x, w, lf):
-    """(sum w*x*l, sum w*l*l) in C's order, column-major inputs."""
-    return _seqsum((w * x) * lf), _seqsum((w * lf) * lf)
-
-
-def _first_absmax_cols(x):
-    """(signed value, magnitude) of the first largest |x| per column of [n, S]."""
-    idx = np.abs(x).argmax(axis=0)[None, :]
-    mx = np.take_along_axis(x, idx, axis=0)[0]
-    return mx, np.abs(mx)
-
-
-def make_qx(x, nmax):
-    """Symmetric weighted search (rmse_type 1, w = x^2) -> (scale [S], L [S, n] in [0, 2*nmax))."""
-    x = np.ascontiguousarray(x.T)
-    mx, amax = _first_absmax_cols(x)
-    zero = amax < GROUP_MAX_EPS
-    w = x * x
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = F32(-nmax) / mx
-        lf = np.clip(_rint(iscale * x), -nmax, nmax - 1)
-        L = lf + nmax
-        sumlx, suml2 = _lsq_sums(x, w, lf.astype(F32))
-        scale = np.where(suml2 != 0, sumlx / suml2, F32(0)).astype(F32)
-        best = scale * sumlx
-        for i in range(-9, 10):
-            if i == 0:
-                continue
-            isc = -(F32(nmax) + F32(0.1) * F32(i)) / mx
-            li = np.clip(_rint(isc * x), -nmax, nmax - 1)
-            slx, sl2 = _lsq_sums(x, w, li.astype(F32))
-            take = (sl2 > 0) & (slx * slx > best * sl2)  # larger (sum w x l)^2 / sum w l^2
-            L = np.where(take, li + nmax, L)
-            scale = np.where(take, slx / sl2, scale).astype(F32)
-            best = np.where(take, scale * slx, best).astype(F32)
-    scale = np.where(zero, F32(0), scale).astype(F32)
-    return scale, np.ascontiguousarray(np.where(zero, 0, L).T)
-
-
-def make_q3(x, nmax):
-    """Symmetric search with coordinate descent (do_rmse) -> (scale [S], L [S, n] in [0, 2*nmax))."""
-    x = np.ascontiguousarray(x.T)
-    n = x.shape[0]
-    mx, amax = _first_absmax_cols(x)
-    zero = amax < GROUP_MAX_EPS
-    w = x * x
-    wx = w * x
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = F32(-nmax) / mx
-        L = np.clip(_rint(iscale * x), -nmax, nmax - 1)
-        sumlx, suml2 = _lsq_sums(x, w, L.astype(F32))
-        for _ in range(5):
-            # one coordinate at a time, in order; a converged column stays unchanged,
-            # so running all 5 passes equals C's early exit
-            for i in range(n):
-                li = L[i].astype(F32)
-                slx = sumlx - wx[i] * li
-                sl2 = suml2 - (w[i] * li) * li
-                new = np.clip(_rint((x[i] * sl2) / slx), -nmax, nmax - 1)
-                nf = new.astype(F32)
-                slx2 = slx + wx[i] * nf
-                sl22 = sl2 + (w[i] * nf) * nf
-                ok = (slx > 0) & (new != L[i]) & (sl22 > 0)
-                ok &= (slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22
-                L[i] = np.where(ok, new, L[i])
-                sumlx = np.where(ok, slx2, sumlx)
-                suml2 = np.where(ok, sl22, suml2)
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
-    scale = np.where(zero, F32(0), scale).astype(F32)
-    return scale, np.ascontiguousarray(np.where(zero, 0, L + nmax).T)
 
 
 # ---------------------------------------------------------------- packing helpers
@@ -252,52 +105,78 @@ def _requant(x, d, m, lo, hi, L):
     return np.where(d[..., None] != 0, new, L)
 
 
+# ---------------------------------------------------------------- quantizers
+
+def _sub(b: np.ndarray, sub: int) -> np.ndarray:
+    """[N, 256] -> [N * 256/sub, sub] sub-block rows."""
+    return b.reshape(-1, sub)
+
+
+def _col_sum(a: np.ndarray) -> np.ndarray:
+    """C-order sum of each row of a [S, n] -> [S]."""
+    return _seqsum(np.ascontiguousarray(a.T))
+
+
+def _imatrix_weights(b, qw, sub, sigma_scale):
+    """llama.cpp's weights with an importance matrix: qw * sqrt(sigma2 + x^2) per element,
+    sigma2 = sigma_scale * mean(x^2) over the super-block; and their per-sub-block sums."""
+    sigma2 = (F32(sigma_scale) * _col_sum(b * b)) / F32(QK_K)
+    w = qw * np.sqrt(sigma2[:, None] + b * b)
+    return _sub(w, sub), _col_sum(_sub(w, sub)).reshape(b.shape[0], -1)
+
+
+def _avx_weights(xs):
+    """Weights without an importance matrix: sqrt(mean(x^2)) + |x| per sub-block."""
+    av = np.sqrt(_col_sum(xs * xs) / F32(xs.shape[1]))
+    return av[:, None] + np.abs(xs)
+
+
 def _max0(a: np.ndarray) -> np.ndarray:
     """max(0, max over sub-blocks): the C loop starts at 0 and keeps strictly larger."""
     return np.maximum(a.max(axis=1), F32(0))
 
 
-# ---------------------------------------------------------------- quantizers
+def _scales_by_max(v, nmax, store_mask):
+    """Sub-block scales (or mins) [N, k] -> (codes, super-block scale): v * nmax / max(v)."""
+    vmax = _max0(v)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(vmax > 0, F32(nmax) / vmax, F32(0)).astype(F32)
+    return _rint(inv[:, None] * v) & store_mask, (vmax / F32(nmax)).astype(F32)
 
-def _qkx_superblock(b, sub, nmax, rmin, rdelta, nstep, use_mad, weights):
-    """Shared front half of Q2_K/Q4_K/Q5_K: per-sub-block (scale, min, L)."""
+
+def _q45_k(b: np.ndarray, qw, nmax: int, rmin: float, nstep: int, clamp63: bool):
     N = b.shape[0]
-    xs = b.reshape(N * (QK_K // sub), sub)
-    sc, mn, L = make_qkx2(xs, weights(xs), nmax, rmin, rdelta, nstep, use_mad)
-    return xs.reshape(N, -1, sub), sc.reshape(N, -1), mn.reshape(N, -1), L.reshape(N, -1, sub)
+    if qw is None:
+        xs = _sub(b, 32)
+        sc, mn, L = make_qkx2(xs, _avx_weights(xs), nmax, rmin, 0.1, nstep, False)
+        sc, mn = sc.reshape(N, 8), mn.reshape(N, 8)
+        ls, d_h = _scales_by_max(sc, 63, 0xFF)  # (uint8_t) nearest_int(.)
+        lm, m_h = _scales_by_max(mn, 63, 0xFF)
+        ls, lm = np.minimum(ls, 63), np.minimum(lm, 63)
+    else:
+        w, sw = _imatrix_weights(b, qw, 32, 2.0)
+        sc, mn, L = make_qkx2(_sub(b, 32), w, nmax, -0.9, 0.05, 36, False)
+        d_h, ls = make_qp(sc.reshape(N, 8), 63, sw)
+        m_h, lm = make_qp(mn.reshape(N, 8), 63, sw)
+        if clamp63:  # Q5_K clamps, Q4_K does not
+            ls, lm = np.minimum(ls, 63), np.minimum(lm, 63)
+    scales = _pack_scale_min_k4(ls, lm)
+    sc6, mn6 = _unpack_scale_min_k4(scales)
+    d = _fp16(d_h)[:, None] * sc6.astype(F32)
+    m = _fp16(m_h)[:, None] * mn6.astype(F32)
+    L = _requant(b.reshape(N, 8, 32), d, m, 0, nmax, L.reshape(N, 8, 32)).reshape(N, QK_K)
+    return np.concatenate([_fp16_bytes(d_h), _fp16_bytes(m_h), scales], axis=1), L
 
 
-def _avx_weights(xs):
-    av = np.sqrt(_seqsum(np.ascontiguousarray((xs * xs).T)) / F32(xs.shape[1]))
-    return av[:, None] + np.abs(xs)
-
-
-def _q45_k(b: np.ndarray, nmax: int, rmin: float, nstep: int):
-    x, sc, mn, L = _qkx_superblock(b, 32, nmax, rmin, 0.1, nstep, False, _avx_weights)
-    max_s, max_m = _max0(sc), _max0(mn)
-    with np.errstate(divide="ignore"):
-        inv_s = np.where(max_s > 0, F32(63) / max_s, F32(0)).astype(F32)
-        inv_m = np.where(max_m > 0, F32(63) / max_m, F32(0)).astype(F32)
-    # (uint8_t) nearest_int(...) then MIN(63, .): wrap like C's narrowing store
-    ls = np.minimum(_rint(inv_s[:, None] * sc) & 0xFF, 63)
-    lm = np.minimum(_rint(inv_m[:, None] * mn) & 0xFF, 63)
-    d_h, m_h = max_s / F32(63), max_m / F32(63)
-    d = _fp16(d_h)[:, None] * ls.astype(F32)
-    m = _fp16(m_h)[:, None] * lm.astype(F32)
-    L = _requant(x, d, m, 0, nmax, L).reshape(-1, QK_K)
-    head = np.concatenate([_fp16_bytes(d_h), _fp16_bytes(m_h), _pack_scale_min_k4(ls, lm)], axis=1)
-    return head, L
-
-
-def quantize_q4_k(b: np.ndarray) -> np.ndarray:
-    head, L = _q45_k(b, 15, -1.0, 20)
+def quantize_q4_k(b: np.ndarray, qw=None) -> np.ndarray:
+    head, L = _q45_k(b, qw, 15, -1.0, 20, clamp63=False)
     q = L.reshape(-1, 4, 2, 32).astype(np.uint8)  # 64-element chunks: low nibble, high nibble
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     return np.concatenate([head, qs], axis=1)
 
 
-def quantize_q5_k(b: np.ndarray) -> np.ndarray:
-    head, L = _q45_k(b, 31, -0.5, 15)
+def quantize_q5_k(b: np.ndarray, qw=None) -> np.ndarray:
+    head, L = _q45_k(b, qw, 31, -0.5, 15, clamp63=True)
     q = L.reshape(-1, 4, 2, 32).astype(np.uint8)
     qs = ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
     hb = (q >> 4).reshape(-1, 8, 32)  # bit 2c of qh[j] <- L[64c + j], bit 2c+1 <- L[64c + 32 + j]
@@ -307,36 +186,44 @@ def quantize_q5_k(b: np.ndarray) -> np.ndarray:
     return np.concatenate([head, qh, qs], axis=1)
 
 
-def quantize_q2_k(b: np.ndarray) -> np.ndarray:
-    x, sc, mn, L = _qkx_superblock(b, 16, 3, -0.5, 0.1, 15, True, np.abs)
-    max_s, max_m = _max0(sc), _max0(mn)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ls = np.where(max_s[:, None] > 0, _rint((F32(15) / max_s)[:, None] * sc), 0)
-        lm = np.where(max_m[:, None] > 0, _rint((F32(15) / max_m)[:, None] * mn), 0)
-    d_h = np.where(max_s > 0, max_s / F32(15), F32(0)).astype(F32)
-    m_h = np.where(max_m > 0, max_m / F32(15), F32(0)).astype(F32)
-    packed = ((ls | (lm << 4)) & 0xFF).astype(np.uint8)
+def quantize_q2_k(b: np.ndarray, qw=None) -> np.ndarray:
+    N = b.shape[0]
+    if qw is None:
+        xs = _sub(b, 16)
+        sc, mn, L = make_qkx2(xs, np.abs(xs), 3, -0.5, 0.1, 15, True)
+        ls, d_h = _scales_by_max(sc.reshape(N, 16), 15, -1)
+        lm, m_h = _scales_by_max(mn.reshape(N, 16), 15, -1)
+    else:
+        w, sw = _imatrix_weights(b, qw, 16, 1.0)
+        sc, mn, L = make_qkx2(_sub(b, 16), w, 3, -0.9, 0.05, 36, False)
+        d_h, ls = make_qp(sc.reshape(N, 16), 15, sw)
+        m_h, lm = make_qp(mn.reshape(N, 16), 15, sw)
+    packed = ((ls | (lm << 4)) & 0xFF).astype(np.uint8)  # lo nibble scale, hi nibble min
     d = _fp16(d_h)[:, None] * (packed & 0x0F).astype(F32)
     m = _fp16(m_h)[:, None] * (packed >> 4).astype(F32)
-    L = _requant(x, d, m, 0, 3, L).reshape(-1, QK_K)
+    L = _requant(b.reshape(N, 16, 16), d, m, 0, 3, L.reshape(N, 16, 16)).reshape(N, QK_K)
     return np.concatenate([packed, _pack_2bit(L), _fp16_bytes(d_h), _fp16_bytes(m_h)], axis=1)
 
 
-def quantize_q3_k(b: np.ndarray) -> np.ndarray:
+def quantize_q3_k(b: np.ndarray, qw=None) -> np.ndarray:
     N = b.shape[0]
-    xs = b.reshape(N * 16, 16)
-    sc, L = make_q3(xs, 4)
-    x, sc, L = xs.reshape(N, 16, 16), sc.reshape(N, 16), L.reshape(N, 16, 16)
-    max_sc, _ = _first_absmax(sc)
-    nz = max_sc != 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        iscale = np.where(nz, F32(-32) / max_sc, F32(0)).astype(F32)
-        l8 = ((_rint(iscale[:, None] * sc) + 128) & 0xFF) - 128  # int8_t store
-        d_h = np.where(nz, F32(1) / iscale, F32(0)).astype(F32)
-    l6 = np.where(nz[:, None], np.clip(l8, -32, 31) + 32, 0)
+    if qw is None:
+        sc, L = make_q3(_sub(b, 16), 4)
+        sc = sc.reshape(N, 16)
+        max_sc, _ = _first_absmax(sc)
+        nz = max_sc != 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iscale = np.where(nz, F32(-32) / max_sc, F32(0)).astype(F32)
+            l8 = ((_rint(iscale[:, None] * sc) + 128) & 0xFF) - 128  # int8_t store
+            d_h = np.where(nz, F32(1) / iscale, F32(0)).astype(F32)
+        l6 = np.where(nz[:, None], np.clip(l8, -32, 31) + 32, 0)
+    else:
+        w, sw = _imatrix_weights(b, qw, 16, 2.0)
+        sc, L = make_qx(_sub(b, 16), 4, w)
+        d_h, l6 = make_qx(sc.reshape(N, 16), 32, sw)  # scales of the scales, 6-bit signed
     scales = _pack_q3_scales(l6)
     d = _fp16(d_h)[:, None] * (_unpack_q3_scales(scales).astype(np.int32) - 32).astype(F32)
-    L = _requant(x, d, None, -4, 3, L - 4) + 4
+    L = _requant(b.reshape(N, 16, 16), d, None, -4, 3, L.reshape(N, 16, 16) - 4) + 4
     L = L.reshape(N, QK_K)
     # hmask[m] bit k <- (L[32k + m] > 3); the low 2 bits go to qs
     hb = (L > 3).astype(np.uint8).reshape(N, 8, 32)
@@ -346,11 +233,10 @@ def quantize_q3_k(b: np.ndarray) -> np.ndarray:
     return np.concatenate([hmask, _pack_2bit(L & 3), scales, _fp16_bytes(d_h)], axis=1)
 
 
-def quantize_q6_k(b: np.ndarray) -> np.ndarray:
+def quantize_q6_k(b: np.ndarray, qw=None) -> np.ndarray:
     N = b.shape[0]
-    xs = b.reshape(N * 16, 16)
-    sc, L = make_qx(xs, 32)
-    x, sc, L = xs.reshape(N, 16, 16), sc.reshape(N, 16), L.reshape(N, 16, 16)
+    sc, L = make_qx(_sub(b, 16), 32, None if qw is None else _sub(qw, 16))
+    sc, L = sc.reshape(N, 16), L.reshape(N, 16, 16)
     max_sc, amax = _first_absmax(sc)
     zero = ~(amax >= GROUP_MAX_EPS)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -359,7 +245,7 @@ def quantize_q6_k(b: np.ndarray) -> np.ndarray:
     s8 = ((np.minimum(_rint(iscale[:, None] * sc), 127) + 128) & 0xFF) - 128
     s8 = np.where(zero[:, None], 0, s8)
     d = _fp16(d_h)[:, None] * s8.astype(F32)
-    L = (_requant(x, d, None, -32, 31, L - 32) + 32).reshape(N, QK_K)
+    L = (_requant(b.reshape(N, 16, 16), d, None, -32, 31, L - 32) + 32).reshape(N, QK_K)
     L = np.where(zero[:, None], 0, L).astype(np.uint8)
     q = L.reshape(N, 2, 4, 32)  # per 128: quarters q1..q4
     ql = np.concatenate([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4),
