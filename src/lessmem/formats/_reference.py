@@ -21,6 +21,14 @@ def pack_bits_reference(codes: list[int], bits: int) -> list[int]:
     return [sum(stream[8 * j + i] << i for i in range(8)) for j in range(len(stream) // 8)]
 
 
+def _round_up(s, sd):
+    """Smallest value of numpy dtype ``sd`` that is >= the float32 ``s``."""
+    r = sd(s)
+    if np.float32(r) < np.float32(s):
+        r = np.nextafter(r, sd(np.inf))
+    return np.float32(r)
+
+
 def quantize_int_reference(xg: torch.Tensor, bits: int, symmetric: bool, clip_ratio: float = 1.0,
                            scale_dtype=torch.float16):
     """Grouped view [G, E] -> (unsigned codes [G, E], stored scales [G], zero points [G])."""
@@ -44,13 +52,53 @@ def quantize_int_reference(xg: torch.Tensor, bits: int, symmetric: bool, clip_ra
             hi = np.float32(max(float(row.max()), 0.0)) * np.float32(clip_ratio)
             s = np.float32(hi - lo) / np.float32(qmax)
             s = np.float32(1.0) if s <= 0 else s
-            s = np.float32(sd(max(s, np.float32(tiny))))
+            s = _round_up(max(s, np.float32(tiny)), sd)
             z = int(min(max(np.rint(-lo / s), 0), qmax))
             codes.append([int(min(max(np.rint(np.float32(v) / s) + z, 0), qmax)) for v in row])
             zps.append(z)
         scales.append(float(s))
     return (torch.tensor(codes, dtype=torch.int64), torch.tensor(scales, dtype=torch.float32),
             torch.tensor(zps, dtype=torch.int64))
+
+
+def quantize_superblock_reference(xg: torch.Tensor, bits: int, symmetric: bool, subs: int,
+                                  sub_scale_bits: int):
+    """SuperBlock integer quantization, one super-block (``subs`` rows of xg) at a time.
+
+    Per sub-block scale s as in :func:`quantize_int_reference` (fp16); per super-block
+    d = max(s) / (2^k - 1) rounded *up* to fp16; sub-scale codes c = ceil(s/d - 1e-6) in
+    [1, 2^k - 1]; effective scale c·d. Returns (codes [G, E], effective scales [G],
+    zero points [G], sub-scale codes [G], super-block scales [G / subs]).
+    """
+    _, scales, _ = quantize_int_reference(xg, bits, symmetric)
+    smax = 2**sub_scale_bits - 1
+    rows = xg.float().numpy()
+    codes, effs, zps, subc, ds = [], [], [], [], []
+    for b in range(rows.shape[0] // subs):
+        block = scales[b * subs:(b + 1) * subs].tolist()
+        d = max(np.float32(max(np.float32(v) for v in block) / np.float32(smax)), np.float32(6.2e-5))
+        d = _round_up(d, np.float16)
+        ds.append(float(d))
+        for j, s in enumerate(block):
+            c = int(min(max(np.ceil(np.float32(s) / d - np.float32(1e-6)), 1), smax))
+            eff = np.float32(np.float32(c) * d)
+            row = rows[b * subs + j]
+            if symmetric:
+                qmax = 2 ** (bits - 1) - 1
+                codes.append([int(min(max(np.rint(np.float32(v) / eff), -qmax), qmax)) + qmax + 1
+                              for v in row])
+                zps.append(0)
+            else:
+                qmax = 2**bits - 1
+                lo = np.float32(min(float(row.min()), 0.0))
+                z = int(min(max(np.rint(-lo / eff), 0), qmax))
+                codes.append([int(min(max(np.rint(np.float32(v) / eff) + z, 0), qmax)) for v in row])
+                zps.append(z)
+            subc.append(c)
+            effs.append(float(eff))
+    return (torch.tensor(codes, dtype=torch.int64), torch.tensor(effs, dtype=torch.float32),
+            torch.tensor(zps, dtype=torch.int64), torch.tensor(subc, dtype=torch.int64),
+            torch.tensor(ds, dtype=torch.float32))
 
 
 def hadamard_reference(n: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ Asymmetric (min/max):       s = clip * (max(x,0) - min(x,0)) / (2^b - 1)
                             u = clamp(round(x / s) + z, 0, 2^b - 1),  x_hat = s * (u - z)
 The range always contains 0, so 0 is exact and |x - x_hat| <= s/2 without clipping.
 Scales are rounded to ``scale_dtype`` *before* the codes are chosen, so the bound holds
-for the stored scale. Rounding is round-half-to-even (``torch.round``).
+for the stored scale; asymmetric scales are rounded *up* (a scale rounded down would
+stretch max - min past 2^b - 1 steps and clip the top code by up to (2^b - 1)·ulp/2). Rounding is round-half-to-even (``torch.round``).
 
 Codes are stored unsigned and bit-packed: symmetric codes are offset by 2^(b-1).
 
@@ -43,12 +44,20 @@ def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
     return 0, 2**bits - 1
 
 
-def _store(s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Round a positive scale to the storage dtype, keeping it positive and finite."""
+def _store(s: torch.Tensor, scale_dtype: torch.dtype, round_up: bool = False) -> torch.Tensor:
+    """Round a positive scale to the storage dtype, keeping it positive and finite.
+
+    ``round_up``: the smallest storable value ≥ s instead of the nearest, so that a range
+    divided by the stored scale never exceeds the code range (no silent clipping).
+    """
     s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero groups: any scale works
     finfo = torch.finfo(scale_dtype)
     s = s.clamp(min=_TINY[scale_dtype], max=finfo.max)
-    return s.to(scale_dtype)
+    out = s.to(scale_dtype)
+    if round_up:
+        low = (out.float() < s) & (out < finfo.max)
+        out = torch.where(low, torch.nextafter(out, torch.full_like(out, finfo.max)), out)
+    return out
 
 
 def choose_qparams(xg: torch.Tensor, bits: int, symmetric: bool, clip_ratio: float = 1.0,
@@ -62,7 +71,8 @@ def choose_qparams(xg: torch.Tensor, bits: int, symmetric: bool, clip_ratio: flo
     lo = xf.amin(dim=1).clamp(max=0) * clip_ratio
     hi = xf.amax(dim=1).clamp(min=0) * clip_ratio
     qmax = 2**bits - 1
-    scale = _store((hi - lo) / qmax, scale_dtype)
+    # rounded up: (hi - lo) / s <= qmax, so round(x/s) + z never clips past s/2
+    scale = _store((hi - lo) / qmax, scale_dtype, round_up=True)
     zp = torch.round(-lo / scale.float()).clamp(0, qmax).to(torch.uint8)
     return scale, zp
 
@@ -96,7 +106,7 @@ def _superblock_scales(scale: torch.Tensor, g: SuperBlock):
     n = g.subs_per_block
     s = scale.float().view(-1, n)
     smax = 2**g.sub_scale_bits - 1
-    d = _store(s.amax(dim=1) / smax, torch.float16)
+    d = _store(s.amax(dim=1) / smax, torch.float16, round_up=True)  # s / d <= smax
     sc = torch.ceil(s / d.float().unsqueeze(1) - 1e-6).clamp(1, smax)
     eff = sc * d.float().unsqueeze(1)
     return sc.to(torch.uint8).view(-1), d, eff.view(-1)
