@@ -154,3 +154,14 @@ def test_cli_errors_one_line_exit_2(args, match, capsys):
     assert cli.main(["explore", "--rows", "8", "--formats", "none", *args]) == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+
+
+def test_what_it_buys_panel():
+    # the simulator: fp16 ~4.8 ms/token ~209 tok/s; 4-bit g32: 4.5 bits, 11.1% scales, ~4.2 GiB
+    # of weights, 16.0 GiB of unquantized KV (128K tokens), fits in 24 GiB
+    fp16, q = ex.what_it_buys(4, 32)
+    assert round(fp16["seconds_per_token"] * 1e3, 1) == 4.8 and round(fp16["tok_s"]) == 209
+    assert q["bits_per_weight"] == 4.5 and round(100 * q["scale_share"], 1) == 11.1
+    assert round(q["weight_bytes"] / 2**30, 1) == 4.2 and q["kv_fp16_bytes"] == 16 * 2**30
+    assert q["fits"] and not fp16["fits"]
+    assert fp16["seconds_per_token"] / q["seconds_per_token"] == pytest.approx(16 / 4.5, rel=2e-3)

@@ -279,3 +279,22 @@ def load_tensor(model: str, name: str) -> tuple[torch.Tensor, dict]:
     elif x.ndim > 2:
         x = x.reshape(-1, x.shape[-1])
     return x, {"name": t.name, "stored_as": t.tensor_type.name, "shape": list(x.shape)}
+
+
+def what_it_buys(bits: int = 4, group: int | str = 32, model: str = "llama-3.1-8b", hardware: str = "h100",
+                 fits_in: int = 24 * 2**30) -> list[dict]:
+    """The simulator's "what it buys" panel through ``lessmem.plan``: decode floor, weight bytes,
+    scale overhead, unquantized KV at the model's full context, and whether it all fits."""
+    from ..plan import plan
+
+    fmt = f"int{bits}-{'channel' if str(group) == 'channel' else f'g{group}'}"
+    p = plan(model, weights=["fp16", fmt], kv="fp16", hardware=hardware, context=None, batch=1)
+    kv = p["kv"][0]["total"]
+    rows = []
+    for w, d in zip(p["weights"], p["decode"][:2], strict=True):
+        rows.append({"model": p["model"]["name"], "hardware": p["hardware"]["name"], "weights": w["format"],
+                     "bits_per_weight": w["format_bpw"], "scale_share": w["scale_share"],
+                     "weight_bytes": w["bytes"], "seconds_per_token": d["seconds_per_token"],
+                     "tok_s": d["tok_s"], "kv_fp16_bytes": kv, "context": p["inputs"]["context"],
+                     "fits_in": fits_in, "fits": w["bytes"] + kv <= fits_in})
+    return rows

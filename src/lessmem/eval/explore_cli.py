@@ -103,8 +103,9 @@ def explore(args) -> dict:
     traffic_fmts = [("int4", str(group)), ("int8", "channel")] + [
         (f, "") for f in ex.available_formats(("q4_0", "q4_k")) if w.shape[-1] % 256 == 0]
     traffic = ex.traffic_table(w, traffic_fmts, bandwidth=bandwidth)
+    buys = ex.what_it_buys(exp_bits, group)
     return {"source": source, "table": table, "formats": formats, "outliers": outlier,
-            "traffic": traffic, "bandwidth": bandwidth, "skipped": skipped,
+            "traffic": traffic, "bandwidth": bandwidth, "skipped": skipped, "what_it_buys": buys,
             "curves": ex.snr_curves(table, "sym" if "sym" in schemes else "asym")}
 
 
@@ -144,6 +145,14 @@ def _tables(r: dict):
                 [[t["path"], t["format"], f"{t['weight_read']:,}", f"{t['weight_written']:,}",
                   f"{t['bytes_per_weight']:.4g}", f"{t['total']:,}", f"{t['vs_fp16']:.3g}x",
                   f"{t['seconds_at_bandwidth'] * 1e6:.3g} µs"] for t in r["traffic"]]))
+    b = r["what_it_buys"]
+    out.append((f"What it buys — {b[0]['model']} on {b[0]['hardware']} (decode floor = weight bytes / bandwidth)",
+                ["weights", "bits/weight", "scale share", "weights", "ms/token", "tok/s",
+                 f"KV fp16 at {b[0]['context']:,} tokens", f"fits in {b[0]['fits_in'] / 2**30:g} GiB"],
+                [[x["weights"], f"{x['bits_per_weight']:.3g}", f"{100 * x['scale_share']:.1f}%",
+                  f"{x['weight_bytes'] / 2**30:.2f} GiB ({x['weight_bytes'] / 1e9:.2f} GB)",
+                  f"{x['seconds_per_token'] * 1e3:.2f}", f"{x['tok_s']:.0f}",
+                  f"{x['kv_fp16_bytes'] / 2**30:.1f} GiB", "yes" if x["fits"] else "no"] for x in b]))
     return out
 
 
