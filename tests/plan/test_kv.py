@@ -87,3 +87,10 @@ def test_bad_precision_fields():
         kv_bytes(TINY, -1, 1, get_kv("fp16"))
     with pytest.raises(ValueError, match=r"skip_layers=5 exceeds the model's 3 layers"):
         kv_bytes(TINY, 1, 1, get_kv("int4:skip=5"))
+
+
+def test_to_dict_round_trip():
+    for p in (get_kv("kivi-2"), get_kv("int4:g=32:window=64")):
+        assert KVPrecision.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match=r"unknown KVPrecision field\(s\) \['bits'\]; allowed"):
+        KVPrecision.from_dict({"name": "x", "k_bits": 4, "v_bits": 4, "bits": 4})

@@ -150,3 +150,21 @@ def test_per_transfer_latencies_in_the_lectures_ranges():
     hw = get_hardware("lecture-gpu")
     assert 5e-6 <= hw.pcie_latency_s <= 10e-6 and 20e-6 <= hw.nvme_latency_s <= 50e-6
     assert 1500e9 <= hw.hbm_bw <= 3300e9  # "1,500-3,300 GB/s"
+
+
+def test_weight_format_validation():
+    from lessmem.plan import WeightFormat
+
+    with pytest.raises(ValueError, match=r"kind='fixed'; allowed: float, int, gguf, mix"):
+        WeightFormat("x", "fixed", 4)
+    with pytest.raises(ValueError, match=r"bits=0; allowed: 1 to 32"):
+        WeightFormat("x", "int", 0, 32)
+    with pytest.raises(ValueError, match=r"gguf_type='q9_k'; allowed"):
+        WeightFormat("x", "gguf", 4, gguf_type="q9_k")
+
+
+def test_budget_above_device_memory_is_flagged():
+    from lessmem.plan import plan
+
+    h = plan("llama-3-8b", hardware="l4", context=16384, batch=16, kv="fp8", kv_budget="40GiB")["hybrid"]
+    assert any("exceeds the device memory" in s for s in h["suggestions"])

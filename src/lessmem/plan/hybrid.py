@@ -115,6 +115,8 @@ def suggestions(model, hw, rows: list[dict], context: int, batch: int, budget: i
     from .units import fmt_bytes, fmt_rate
 
     out = []
+    if budget > hw.hbm_capacity:
+        out.append(f"the KV budget {fmt_bytes(budget)} exceeds the device memory {fmt_bytes(hw.hbm_capacity)}")
     if not any(r["fits_entirely"] for r in rows):
         smallest = min(rows, key=lambda r: r["kv_total"])
         out.append(f"nothing asked fits entirely in {fmt_bytes(budget)}: {smallest['precision']} needs "

@@ -98,6 +98,15 @@ class KVPrecision:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def from_dict(d: dict) -> KVPrecision:
+        """Inverse of ``to_dict`` (unknown keys are an error naming the allowed ones)."""
+        allowed = set(KVPrecision.__dataclass_fields__)
+        bad = set(d) - allowed
+        if bad:
+            raise ValueError(f"unknown KVPrecision field(s) {sorted(bad)}; allowed: {sorted(allowed)}")
+        return KVPrecision(**d)
+
 
 def _groups(n_tokens: int, head_dim: int, tokens: int, channels: int | None) -> int:
     """Scale groups covering n_tokens × head_dim elements of one head (partial groups count)."""

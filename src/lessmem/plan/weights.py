@@ -54,6 +54,20 @@ class WeightFormat:
     zero_point_bits: int = 0
     gguf_type: str | None = None
 
+    def __post_init__(self):
+        kinds = ("float", "int", "gguf", "mix")
+        if self.kind not in kinds:
+            raise ValueError(f"weight format {self.name!r}: kind={self.kind!r}; allowed: {', '.join(kinds)}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 32:
+            raise ValueError(f"weight format {self.name!r}: bits={self.bits!r}; allowed: 1 to 32")
+        if self.group is not None and (isinstance(self.group, bool) or not isinstance(self.group, int)
+                                       or self.group < 0):
+            raise ValueError(f"weight format {self.name!r}: group={self.group!r}; allowed: None, 0 "
+                             "(one scale per row) or a positive group size")
+        if self.kind in ("gguf", "mix") and self.gguf_type not in (*GGUF_TYPES, *MIXES):
+            raise ValueError(f"weight format {self.name!r}: gguf_type={self.gguf_type!r}; allowed: "
+                             + ", ".join((*GGUF_TYPES, *MIXES)))
+
     @property
     def bits_per_weight(self) -> float:
         """Effective bits of one quantized weight (for per-row scales: see ``tensor_bytes``)."""
