@@ -165,3 +165,10 @@ def test_what_it_buys_panel():
     assert round(q["weight_bytes"] / 2**30, 1) == 4.2 and q["kv_fp16_bytes"] == 16 * 2**30
     assert q["fits"] and not fp16["fits"]
     assert fp16["seconds_per_token"] / q["seconds_per_token"] == pytest.approx(16 / 4.5, rel=2e-3)
+
+
+def test_plain_text_without_rich(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    assert cli.main(["explore", "--bits", "4", "--rows", "8", "--formats", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "Traffic of one decode matmul" in out and "unfused" in out and "┃" not in out
