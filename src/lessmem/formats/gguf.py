@@ -44,6 +44,7 @@ import torch
 
 from . import gguf_kquants as kq
 from ._checks import check_float_tensor
+from .gguf_search import make_qkx2, make_qx
 from .granularity import PerGroup, SuperBlock
 from .qtensor import DEQUANTIZERS, QFormat, QTensor
 
@@ -127,26 +128,34 @@ def _round_away(v: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- legacy quantizers
 # All arithmetic is float32; the operation order is the gguf package's (and ggml's).
 
-def _q4_0(b: np.ndarray) -> np.ndarray:
+def _q4_0(b: np.ndarray, w=None) -> np.ndarray:
+    if w is not None:
+        return _q4_0_w(b, w)
     d = _first_absmax(b) / F32(-8)  # the extreme value maps to code 0 (q - 8 = -8)
     q = _codes_trunc(b * _safe_inv(d) + F32(8.5), 15)
     return np.concatenate([_fp16_bytes(d), _nibbles(q)], axis=1)
 
 
-def _q4_1(b: np.ndarray) -> np.ndarray:
+def _q4_1(b: np.ndarray, w=None) -> np.ndarray:
+    if w is not None:
+        return _q4_1_w(b, w)
     lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
     d = (hi - lo) / F32(15)
     q = _codes_trunc((b - lo) * _safe_inv(d) + F32(0.5), 15)
     return np.concatenate([_fp16_bytes(d), _fp16_bytes(lo), _nibbles(q)], axis=1)
 
 
-def _q5_0(b: np.ndarray) -> np.ndarray:
+def _q5_0(b: np.ndarray, w=None) -> np.ndarray:
+    if w is not None:
+        return _q5_0_w(b, w)
     d = _first_absmax(b) / F32(-16)
     q = _codes_trunc(b * _safe_inv(d) + F32(16.5), 31)
     return np.concatenate([_fp16_bytes(d), _high_bits(q), _nibbles(q)], axis=1)
 
 
-def _q5_1(b: np.ndarray) -> np.ndarray:
+def _q5_1(b: np.ndarray, w=None) -> np.ndarray:
+    if w is not None:
+        return _q5_1_w(b, w)
     lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
     d = (hi - lo) / F32(31)
     q = _codes_trunc((b - lo) * _safe_inv(d) + F32(0.5), 31)
@@ -157,6 +166,36 @@ def _q8_0(b: np.ndarray) -> np.ndarray:
     d = np.abs(b).max(axis=1, keepdims=True) / F32(127)
     q = _round_away(b * _safe_inv(d)).astype(np.int8)
     return np.concatenate([_fp16_bytes(d), q.view(np.uint8)], axis=1)
+
+
+# With an importance matrix llama.cpp (quantize_row_qN_0/1_impl) runs the K-quant
+# searches on each block of 32 with weights w = imatrix * sqrt(sigma2 + x^2), sigma2 =
+# mean(x^2) over the whole row (computed by quantize_gguf), and keeps the search's codes.
+
+def _q4_0_w(b: np.ndarray, w: np.ndarray) -> np.ndarray:
+    d, L = make_qx(b, 8, w)
+    return np.concatenate([_fp16_bytes(d), _nibbles(L)], axis=1)
+
+
+def _q5_0_w(b: np.ndarray, w: np.ndarray) -> np.ndarray:
+    d, L = make_qx(b, 16, w)
+    return np.concatenate([_fp16_bytes(d), _high_bits(L), _nibbles(L)], axis=1)
+
+
+def _q4_1_w(b: np.ndarray, w: np.ndarray) -> np.ndarray:
+    d, neg_min, L = make_qkx2(b, w, 15, -0.9, 0.05, 36, False)
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(-neg_min), _nibbles(L)], axis=1)
+
+
+def _q5_1_w(b: np.ndarray, w: np.ndarray) -> np.ndarray:
+    d, neg_min, L = make_qkx2(b, w, 31, -0.9, 0.05, 36, False)
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(-neg_min), _high_bits(L), _nibbles(L)], axis=1)
+
+
+def _row_weights(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    """Per-element weights of the legacy weighted quantizers, rows [R, n] -> [R, n]."""
+    sigma2 = np.cumsum(rows * rows, axis=1, dtype=F32)[:, -1] / F32(rows.shape[1])  # C order
+    return imatrix[None, :] * np.sqrt(sigma2[:, None] + rows * rows)
 
 
 # ---------------------------------------------------------------- legacy dequantizers
@@ -243,10 +282,6 @@ _CHUNK_ELEMENTS = 65536
 
 
 def _as_imatrix(imatrix, t: GGUFType, n: int) -> np.ndarray:
-    if t.block_size != 256:
-        raise ValueError(
-            f"imatrix is used by the K-quants only (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), not {t.name.upper()}"
-        )
     if isinstance(imatrix, torch.Tensor):
         imatrix = imatrix.detach().cpu().numpy()
     w = np.asarray(imatrix)
@@ -266,9 +301,10 @@ def quantize_gguf(x, qtype, imatrix=None) -> np.ndarray:
     This is what a GGUF file stores for the tensor (``gguf.quants.quantize`` gives the
     same array for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0; the K-quants give llama.cpp's bytes).
 
-    ``imatrix`` (K-quants only): one non-negative importance weight per column, e.g. the
-    mean squared input activation of each input feature of a linear layer, as in
-    ``llama-quantize --imatrix``; the scale searches then minimise the weighted error.
+    ``imatrix``: one non-negative importance weight per column, e.g. the mean squared
+    input activation of each input feature of a linear layer, as ``llama-quantize
+    --imatrix`` uses it: the scale searches then minimise the weighted error (llama.cpp's
+    ``quantize_qN(..., quant_weights)``; Q8_0 ignores it, as llama.cpp does).
 
     Example:
         >>> import torch
@@ -283,7 +319,11 @@ def quantize_gguf(x, qtype, imatrix=None) -> np.ndarray:
     qw = None
     if imatrix is not None:
         n = int(x.shape[-1])
-        qw = np.broadcast_to(_as_imatrix(imatrix, t, n), (rows.size // n, n)).reshape(rows.shape)
+        w = _as_imatrix(imatrix, t, n)
+        if t.block_size == 256:  # K-quants: the weights are formed per super-block
+            qw = np.broadcast_to(w, (rows.size // n, n)).reshape(rows.shape)
+        elif t.name != "q8_0":  # legacy: per row; Q8_0 has no weighted variant (as llama.cpp)
+            qw = _row_weights(rows.reshape(-1, n), w).reshape(rows.shape)
     # chunks of 64K elements keep the K-quant searches' working set in cache (~1.7x)
     step = max(1, _CHUNK_ELEMENTS // t.block_size)
     parts = []
