@@ -22,7 +22,7 @@ DECIMAL = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.I)
+_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.I)
 
 
 def _parse(text: str, what: str, allow_unitless: bool = True) -> float:
