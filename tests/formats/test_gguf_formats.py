@@ -143,7 +143,7 @@ def test_zero_and_constant_rows():
 
 
 def test_snr_ordering_on_gaussian():
-    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(1))
     snr = {n: snr_db(x, dequantize_gguf(quantize_gguf(x, n), n, x.shape)) for n in ALL}
     k_order = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0"]
     assert all(snr[a] < snr[b] for a, b in zip(k_order[:-1], k_order[1:], strict=True)), snr
@@ -203,8 +203,9 @@ def test_raw_size_mismatch():
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_k", "q3_k"])
 def test_blocks_are_independent_across_rows_and_chunks(name):
-    # 80 x 1024 spans two 64K-element work chunks; each block only sees its own values
-    x = torch.randn(80, 1024, generator=torch.Generator().manual_seed(5))
+    # 66 x 1024 spans two 64K-element work chunks; each block only sees its own values
+    x = torch.randn(66, 1024, generator=torch.Generator().manual_seed(5))
     whole = quantize_gguf(x, name)
-    by_row = np.concatenate([quantize_gguf(x[i:i + 1], name) for i in range(80)])
-    assert np.array_equal(whole, by_row)
+    parts = np.concatenate([quantize_gguf(x[:5], name), quantize_gguf(x[5:], name)])
+    assert np.array_equal(whole, parts)
+    assert np.array_equal(whole[7:8], quantize_gguf(x[7:8], name))

@@ -12,9 +12,14 @@ gguf = pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def reader():
-    from lessmem.models import builtin_gguf
+    from lessmem._paths import cache_dir
 
-    return gguf.GGUFReader(builtin_gguf("smollm2-135m"))
+    path = cache_dir("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():  # fetch (and sha256-check) it the way lessmem.load does
+        from lessmem.models import builtin_gguf
+
+        path = builtin_gguf("smollm2-135m")
+    return gguf.GGUFReader(path)
 
 
 @pytest.mark.model
@@ -26,7 +31,7 @@ def test_llama_cpp_blocks_decode_like_gguf_and_requantize_to_the_same_bytes(read
             continue
         seen.add((name, t.name))
         spec = GGUF_TYPES[name]
-        raw = np.asarray(t.data)
+        raw = np.asarray(t.data)[:2048]  # the first 2048 rows of each (embeddings: 49152)
         shape = (raw.shape[0], raw.shape[1] // spec.type_size * spec.block_size)
         ours = dequantize_gguf(raw, name, shape)
         theirs = gguf.quants.dequantize(raw, t.tensor_type)
