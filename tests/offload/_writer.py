@@ -4,7 +4,9 @@ import sys
 
 import torch
 
-from lessmem.offload import DiskTier
+torch.set_num_threads(1)
+
+from lessmem.offload import DiskTier  # noqa: E402
 
 tier = DiskTier(sys.argv[1])
 i = 0

@@ -8,6 +8,10 @@ import subprocess
 import time
 
 import pytest
+import torch
+
+# 2 shared cores: OpenMP spinning across busy processes makes tiny ops 100x slower
+torch.set_num_threads(1)
 
 
 def free_port() -> int:

@@ -116,6 +116,17 @@ class TieredKVLayer(QuantizedKVLayer):
                             if self.n_pending else None)
             self.owner._seal(self, head)
 
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.owner._chunk = key_states.shape[2]
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def token_bytes(self) -> int:
+        """Full-precision bytes one more token adds to this layer (keys + values)."""
+        if not self.is_initialized:
+            return 0
+        elem = torch.empty(0, dtype=self.store_dtype).element_size()
+        return 2 * self.batch_size * self.num_heads * self.head_dim * elem
+
     def read_history(self) -> QuantKV | None:
         h = self.owner._history_for(self)
         if h is None:
@@ -230,6 +241,7 @@ class TieredKVCache(KVCache):
         self._pool = None
         self._inflight: dict[int, tuple[tuple, PrefetchHandle, int]] = {}
         self._staged = 0
+        self._chunk = 1
         self.device_peak = 0
         self.over_budget = 0  # reads at which even an empty device tier could not meet the budget
         self.prefill_skipped = 0
@@ -281,7 +293,10 @@ class TieredKVCache(KVCache):
     def _rebalance(self) -> None:
         if self.device_budget is None:
             return
-        room = self.device_budget - self.fp_bytes() - self._reserve()
+        # what the layers still to run in this forward add to their windows
+        growth = self._chunk * sum(la.token_bytes() for la in self.layers
+                                   if isinstance(la, QuantizedKVLayer))
+        room = self.device_budget - self.fp_bytes() - growth - self._reserve()
         if room < 0:
             self.over_budget += 1
         self.device_tier.resize(max(0, room))

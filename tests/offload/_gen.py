@@ -1,0 +1,42 @@
+"""Shared by the tiered-cache tests and their subprocesses: tiny model, prompt, greedy decode."""
+
+from __future__ import annotations
+
+import torch
+
+from lessmem.kvcache import PRESETS
+from lessmem.kvcache.tiered import cache_kwargs
+
+CFG = PRESETS["int4"].replace(window=16, block_size=16)
+
+
+def model(layers: int = 4):
+    from lessmem.models import tiny_random
+
+    return tiny_random("llama", num_layers=layers, seed=1)
+
+
+def prompt(n: int = 150, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 250, (1, n), generator=g)
+
+
+def chunked_prefill(m, cache, ids, chunk: int = 32) -> torch.Tensor:
+    with torch.no_grad():
+        for a in range(0, ids.shape[1], chunk):
+            out = m(ids[:, a:a + chunk], **cache_kwargs(m, cache))
+    return out.logits[:, -1].float()
+
+
+def decode(m, cache, logits, steps: int, check=None) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy: feed argmax ``steps`` times; returns tokens and the logits of every step."""
+    toks, all_logits = [], [logits]
+    with torch.no_grad():
+        for _ in range(steps):
+            t = logits.argmax(-1)
+            toks.append(int(t[0]))
+            logits = m(t[:, None], **cache_kwargs(m, cache)).logits[:, -1].float()
+            all_logits.append(logits)
+            if check is not None:
+                check()
+    return toks, all_logits

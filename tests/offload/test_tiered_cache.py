@@ -1,0 +1,175 @@
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import _gen
+import pytest
+import torch
+
+from lessmem.kvcache import KVCache, enable
+from lessmem.kvcache.tiered import BlockLostError, TieredKVCache
+from lessmem.offload import DiskTier, HostTier, RedisTier
+
+HERE = Path(__file__).resolve().parent
+
+
+def reference(m, ids, steps):
+    cache = KVCache(m.config, _gen.CFG)
+    return _gen.decode(m, cache, _gen.chunked_prefill(m, cache, ids), steps)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("prefetch,policy", [(True, "write-back"), (False, "write-through")])
+def test_bit_exact_with_in_memory_cache(tmp_path, fused, prefetch, policy):
+    m = _gen.model()
+    switch = enable(m) if fused else None
+    try:
+        ids = _gen.prompt()
+        ref_toks, ref_logits = reference(m, ids, 40)
+        cache = TieredKVCache(m.config, _gen.CFG, tiers=f"host@6KiB,disk:{tmp_path}", block_tokens=32,
+                              device_budget="24KiB", prefetch=prefetch, write_policy=policy)
+        toks, logits = _gen.decode(m, cache, _gen.chunked_prefill(m, cache, ids), 40)
+        assert toks == ref_toks
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+        place = cache.memory()["tiers"]
+        assert place["host"] > 0 and place["disk"] > 0  # the history really was spread out
+        mem = cache.memory()
+        assert mem["tokens"] == 150 + 40 and mem["codes"] > 0
+        if prefetch:
+            p = cache.offload_stats()["prefetch"]
+            assert p["issued"] > 0 and p["on_time"] + p["late"] > 0
+        cache.close()
+    finally:
+        if switch is not None:
+            switch.disable()
+
+
+def test_device_budget_is_never_exceeded(tmp_path):
+    from lessmem.models import tiny_random
+
+    # many thin layers: the gathered histories in flight (2 layers) are a small share
+    m = tiny_random("llama", num_layers=24, hidden_size=32, num_heads=2, num_kv_heads=1,
+                    intermediate_size=64, seed=2)
+    enable(m)
+    cfg = _gen.CFG.replace(window=8, block_size=8)
+    ids = _gen.prompt(500)
+    ref = KVCache(m.config, cfg)
+    ref_toks, _ = _gen.decode(m, ref, _gen.chunked_prefill(m, ref, ids, chunk=16), 24)
+    budget = ref.memory()["total"] // 4  # 25% of the in-memory quantized cache
+    cache = TieredKVCache(m.config, cfg, tiers=[DiskTier(tmp_path, fsync=False)], block_tokens=16,
+                          device_budget=budget)
+    seen = []
+
+    def check():
+        seen.append(cache.device_bytes())
+        assert cache.device_bytes() <= budget
+
+    logits = _gen.chunked_prefill(m, cache, ids, chunk=16)
+    toks, _ = _gen.decode(m, cache, logits, 24, check=check)
+    assert toks == ref_toks
+    assert cache.device_peak <= budget and cache.over_budget == 0 and len(seen) == 24
+    mem = cache.memory()
+    assert mem["tiers"]["device"] < budget and mem["tiers"]["disk"] > 0.5 * mem["total"]
+    cache.close()
+
+
+def test_restart_skips_prefill_and_gives_equal_logits(tmp_path):
+    spec = f"host,disk:{tmp_path / 'store'}"
+    first = tmp_path / "first.pt"
+    subprocess.run([sys.executable, str(HERE / "_restart.py"), spec, "save", str(first)], check=True)
+    a = torch.load(first, weights_only=False)
+    assert a["skipped"] == 0 and a["prefill_calls"] > 0
+    second = tmp_path / "second.pt"
+    subprocess.run([sys.executable, str(HERE / "_restart.py"), spec, "restore", str(second)], check=True)
+    b = torch.load(second, weights_only=False)
+    assert b["skipped"] == 1 and b["prefill_calls"] == 0  # no forward pass for the prompt
+    assert b["toks"] == a["toks"] and torch.equal(b["logits"], a["logits"])
+    assert b["stats"]["disk"]["hits"] > 0
+
+
+def test_shared_prefix_through_redis(tmp_path, redis_server):
+    spec = f"host,{redis_server.url}"
+    first = tmp_path / "a.pt"
+    subprocess.run([sys.executable, str(HERE / "_restart.py"), spec, "save", str(first)], check=True)
+    a = torch.load(first, weights_only=False)
+    m = _gen.model()
+    cache = TieredKVCache(m.config, _gen.CFG, tiers=spec, block_tokens=32, model_id="tiny-llama-seed1")
+    logits = cache.prefill(m, _gen.prompt())
+    toks, lg = _gen.decode(m, cache, logits, 8)
+    st = cache.offload_stats()
+    n_blocks = sum(len(la.block_keys) for la in cache.tiered)
+    assert cache.prefill_skipped == 1 and toks == a["toks"] and torch.equal(torch.stack(lg), a["logits"])
+    # the prompt's blocks (4 per layer) and the state record came from the other process
+    assert st["remote"]["hits"] >= 4 * len(cache.tiered) + 1 and n_blocks >= 4 * len(cache.tiered)
+    cache.close()
+
+
+def test_redis_down_keeps_working(tmp_path, dead_redis_url):
+    m = _gen.model()
+    ids = _gen.prompt()
+    ref_toks, ref_logits = reference(m, ids, 10)
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        cache = TieredKVCache(m.config, _gen.CFG, tiers=[HostTier(None), RedisTier(dead_redis_url)],
+                              block_tokens=32, device_budget="8KiB", write_policy="write-through")
+        toks, logits = _gen.decode(m, cache, _gen.chunked_prefill(m, cache, ids), 10)
+    assert toks == ref_toks and all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+    assert cache.offload_stats()["remote"]["errors"] >= 1
+
+
+def test_threads_share_one_disk_store(tmp_path):
+    m = _gen.model()
+    prompts = [_gen.prompt(120, seed=s % 2) for s in range(4)]  # two pairs share a prompt
+    serial = [reference(m, p, 12)[0] for p in prompts]
+    shared = DiskTier(tmp_path)
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            cache = TieredKVCache(m.config, _gen.CFG, tiers=[shared if i % 2 else DiskTier(tmp_path)],
+                                  block_tokens=32, device_budget="12KiB")
+            cache.set_tokens(prompts[i])
+            results[i] = _gen.decode(m, cache, _gen.chunked_prefill(m, cache, prompts[i]), 12)[0]
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ths = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in ths]
+    [t.join() for t in ths]
+    assert not errors and [results[i] for i in range(4)] == serial
+    fresh = DiskTier(tmp_path)
+    assert all(fresh.get(k) is not None for k in fresh.keys()) and fresh.stats.corrupt == 0
+
+
+def test_corrupted_offloaded_block_is_an_error_not_data(tmp_path):
+    m = _gen.model()
+    cache = TieredKVCache(m.config, _gen.CFG, tiers=f"disk:{tmp_path}", block_tokens=32,
+                          device_budget="16KiB", prefetch=False)
+    logits = _gen.chunked_prefill(m, cache, _gen.prompt())
+    victim = cache.tiered[0].block_keys[0]
+    assert cache.stack.where(victim) == "disk"
+    f = tmp_path / "blocks" / f"{victim}.blk"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x10
+    f.write_bytes(data)
+    with pytest.warns(RuntimeWarning, match="corrupt"), pytest.raises(BlockLostError, match=victim):
+        _gen.decode(m, cache, logits, 1)
+
+
+def test_bad_arguments(tmp_path):
+    m = _gen.model()
+    with pytest.raises(ValueError, match="block_tokens=24"):
+        TieredKVCache(m.config, _gen.CFG, block_tokens=24)
+    with pytest.raises(ValueError, match="device tier is implicit"):
+        TieredKVCache(m.config, _gen.CFG, tiers="device,host")
+    with pytest.raises(ValueError, match="size"):
+        TieredKVCache(m.config, _gen.CFG, device_budget="lots")
+    cache = TieredKVCache(m.config, _gen.CFG, tiers="host", block_tokens=32)
+    _gen.chunked_prefill(m, cache, _gen.prompt(40))
+    with pytest.raises(ValueError, match="the cache holds 40 tokens"):
+        cache.save_prefix(list(range(10)))
+    with pytest.raises(ValueError, match="needs an empty cache"):
+        cache.restore_prefix(list(range(40)))
+    with pytest.raises(ValueError, match="batch 1"):
+        cache.set_tokens(torch.zeros(2, 5, dtype=torch.long))
+    assert TieredKVCache(m.config, _gen.CFG, tiers="host").restore_prefix([1, 2, 3]) is None
