@@ -146,6 +146,7 @@ def test_lecture_command_cpu_time_under_10_s(tmp_path):
     (["--tensor", "blk.0.attn_q.weight"], "--tensor needs --model"),
     (["--list-tensors"], "--list-tensors needs --model"),
     (["--model", "gpt-5", "--tensor", "x"], "--model 'gpt-5': give a built-in alias (smollm2-135m)"),
+    (["--model", "smollm2-135m"], "--model needs --tensor NAME"),
     (["--formats", "q9_9"], "--formats: unknown q9_9"),
     (["--group", "48"], "--group=48 does not divide the 1024 columns"),
     (["--schemes", "sym,both"], "scheme 'both'"),

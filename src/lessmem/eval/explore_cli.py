@@ -74,11 +74,15 @@ def explore(args) -> dict:
     group = _ints(args.group, "group")[0]
     bandwidth = parse_rate(args.bandwidth, "bandwidth")
     skipped: list[str] = []
+    if args.model and not args.tensor:
+        raise ValueError("--model needs --tensor NAME (or --list-tensors to see the names)")
     if args.model and args.tensor:
         w, info = ex.load_tensor(args.model, args.tensor)
         outlier_cols: list[int] = []
         source = {"kind": "model", "model": args.model, **info,
                   "note": f"stored as {info['stored_as']} in the file: its dequantized values are the reference"}
+        if args.outliers:
+            skipped.append("--outliers: applies to the synthetic matrix only; a real tensor has its own")
     elif args.tensor:
         raise ValueError("--tensor needs --model (e.g. --model smollm2-135m)")
     else:
