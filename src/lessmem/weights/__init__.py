@@ -15,8 +15,8 @@ Example:
 
 from .apply import quantize_
 from .checkpoint import load_quantized, save_quantized
-from .config import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig, WeightConfig
+from .config import AWQConfig, GGUFConfig, GPTQConfig, RTNConfig, SmoothQuantConfig, WeightConfig
 from .qlinear import QuantLinear
 
 __all__ = ["quantize_", "QuantLinear", "WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig",
-           "SmoothQuantConfig", "save_quantized", "load_quantized"]
+           "SmoothQuantConfig", "GGUFConfig", "save_quantized", "load_quantized"]

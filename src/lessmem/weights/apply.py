@@ -28,7 +28,8 @@ from torch import nn
 
 from .arch import arch_for, get_module, set_module
 from .calibrate import BlockInputs, calibration_ids, describe, run_block
-from .config import WeightConfig
+from .config import GGUFConfig, WeightConfig
+from .gguf_apply import apply_gguf
 from .qlinear import QuantLinear
 from .rtn import rtn_quantize
 from .solvers import SOLVERS, LayerSpec
@@ -80,9 +81,11 @@ def _targets(model: nn.Module, config: WeightConfig, filter_fn) -> dict[str, Lay
 def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_fn=None,
               tokenizer=None, progress: bool = True) -> dict:
     """Quantize ``model``'s linears in place; returns a report (see the module doc)."""
+    if isinstance(config, GGUFConfig):
+        return apply_gguf(model, config, filter_fn)
     if not isinstance(config, WeightConfig):
         raise ValueError(f"config={config!r} must be a weight config (RTNConfig, GPTQConfig, "
-                         "AWQConfig, SmoothQuantConfig)")
+                         "AWQConfig, SmoothQuantConfig, GGUFConfig)")
     t0 = time.perf_counter()
     targets = _targets(model, config, filter_fn)
     report = {"method": config.method, "config": config.to_dict(), "layers": {}}

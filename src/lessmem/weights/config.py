@@ -239,5 +239,37 @@ class SmoothQuantConfig(CalibratedConfig):
         _check_float("alpha", "SmoothQuantConfig", self.alpha, 0.0, 1.0)
 
 
-__all__ = ["WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig",
+__all__ = ["WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig", "GGUFConfig",
            "CalibratedConfig", "BITS", "GROUP_SIZES"]
+
+
+@dataclass(frozen=True)
+class GGUFConfig:
+    """Apply a GGUF type or llama.cpp mix (``"Q4_K_M"``, ``"Q6_K"``, ``"Q8_0"``, ``"Q4_0"`` …) to
+    a model's linears in memory: each weight is encoded with ``formats.gguf`` in the type the
+    mix rules give it (``gguf_mix.tensor_type``) and decoded back in place (what llama.cpp
+    would compute with, for quality tables). ``skip``: name patterns left untouched.
+
+    Example:
+        >>> GGUFConfig("Q4_K_M").type
+        'Q4_K_M'
+        >>> GGUFConfig("Q3_K_XL")
+        Traceback (most recent call last):
+        ...
+        ValueError: GGUF type 'Q3_K_XL' is not supported; allowed: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K
+    """
+
+    type: str = "Q4_K_M"
+    skip: tuple[str, ...] = ()
+
+    method = "gguf"
+    needs_calibration = False
+
+    def __post_init__(self):
+        from .gguf_mix import check_mix
+
+        object.__setattr__(self, "type", check_mix(self.type))
+        object.__setattr__(self, "skip", (self.skip,) if isinstance(self.skip, str) else tuple(self.skip))
+
+    def to_dict(self) -> dict:
+        return {"method": "gguf", "type": self.type, "skip": list(self.skip)}

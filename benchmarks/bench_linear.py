@@ -1,0 +1,83 @@
+"""Fused QuantLinear (int4, int8, 3-bit, 2-bit) vs fp32 nn.Linear at decode shapes.
+
+For each (in_features, out_features): check every QuantLinear against its
+dequantize-then-matmul reference first, then time batch-1 forwards and report the
+speed ratio vs an fp32 ``nn.Linear`` timed in the same run, at 1 thread and at all
+threads (this machine is shared, so both are given), plus achieved GB/s of weight bytes.
+
+    python benchmarks/bench_linear.py            # 576x1536, 4096x4096, 4096x11008
+    python benchmarks/bench_linear.py --quick    # one small shape, few repeats
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import header, parser, timeit, write_result  # noqa: E402
+
+from lessmem.weights.qlinear import QuantLinear  # noqa: E402
+
+VARIANTS = {  # name -> (bits, group_size, symmetric)
+    "int4_g128": (4, 128, False),
+    "int8": (8, None, True),
+    "int3_g128": (3, 128, False),
+    "int2_g128": (2, 128, False),
+}
+
+
+def check(q: QuantLinear, lin: torch.nn.Linear) -> float:
+    x = torch.randn(1, lin.in_features)
+    ref = x.double() @ q.dequantized_weight().double().T + lin.bias.double()
+    err = ((q(x).double() - ref).abs().max() / ref.abs().max()).item()
+    tol = 2e-2 if q.layout == "int4pack" else 1e-4  # int4pack: bf16 activations
+    if err > tol:
+        raise SystemExit(f"reference check failed for {q.extra_repr()}: rel err {err:.3g}")
+    return err
+
+
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument("--repeat", type=int, default=30)
+    args = p.parse_args()
+    shapes = [(256, 512)] if args.quick else [(576, 1536), (4096, 4096), (4096, 11008)]
+    repeat = 5 if args.quick else args.repeat
+    all_threads = torch.get_num_threads()
+    h = header(shapes=shapes, batch=1, variants=list(VARIANTS))
+    rows = []
+    for k, n in shapes:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(k, n)
+        fp32_bytes = lin.weight.numel() * 4
+        qs = {}
+        for name, (bits, gs, sym) in VARIANTS.items():
+            g = gs if gs is None or k % gs == 0 else 64  # 576 columns: groups of 64
+            qs[name] = QuantLinear.from_linear(lin, bits, g, sym)
+        errs = {name: check(q, lin) for name, q in qs.items()}
+        x = torch.randn(1, k)
+        for threads in sorted({1, all_threads}):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                t_fp32 = timeit(lambda: lin(x), repeat=repeat, warmup=3)
+                row = {"in_features": k, "out_features": n, "threads": threads,
+                       "fp32_ms": t_fp32 * 1e3, "fp32_GBps": fp32_bytes / t_fp32 / 1e9}
+                for name, q in qs.items():
+                    t = timeit(lambda q=q: q(x), repeat=repeat, warmup=3)
+                    row[f"{name}_ms"] = t * 1e3
+                    row[f"{name}_speedup"] = t_fp32 / t
+                    row[f"{name}_GBps"] = q.nbytes / t / 1e9
+                    row[f"{name}_layout"] = q.layout
+                    row[f"{name}_ref_rel_err"] = errs[name]
+            rows.append(row)
+            print(f"{k}x{n} threads={threads}: fp32 {t_fp32 * 1e3:.3f} ms  " + "  ".join(
+                f"{name} {row[f'{name}_speedup']:.2f}x" for name in qs))
+        torch.set_num_threads(all_threads)
+    write_result("bench_linear", {"header": h, "rows": rows}, args.out, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
