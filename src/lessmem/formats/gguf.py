@@ -15,10 +15,13 @@ K-quants: super-blocks of 256 elements with quantized sub-block scales (see
 Q5_K 176 B (5.5), Q6_K 210 B (6.5625).
 
 Blocks run along the last dimension, which must be a multiple of the block size. The
-legacy quantizers reproduce the ``gguf`` Python package's quantizer bit for bit (same
-float32 operations in the same order); the K-quant quantizers follow llama.cpp's
-``quantize_row_qN_K_ref``. Every dequantizer does the same float32 operations as
-``gguf.quants.dequantize``, so both decode our bytes to identical floats.
+quantizers write the bytes llama.cpp's reference quantizers write (``quantize_row_*_ref``,
+or with an importance matrix ``quantize_<type>(..., quant_weights)``): the same float32
+operations in the same order. The legacy ones therefore also equal the ``gguf`` Python
+package's quantizer. Every dequantizer does the same float32 operations as
+``gguf.quants.dequantize``, so both decode our bytes to identical floats. (Checked in
+``tests/formats/test_gguf_*.py``: against the gguf package, against SHA-256s of
+llama.cpp's output, and against llama.cpp-written blocks of the built-in model.)
 
 A QTensor of kind ``"gguf"`` holds the raw blocks as ``codes`` (uint8,
 ``[rows, bytes_per_row]``) and nothing else, so ``bits_per_element`` is the GGUF bpw.
@@ -281,7 +284,7 @@ def _as_rows(x, t: GGUFType) -> np.ndarray:
 _CHUNK_ELEMENTS = 65536
 
 
-def _as_imatrix(imatrix, t: GGUFType, n: int) -> np.ndarray:
+def _as_imatrix(imatrix, n: int) -> np.ndarray:
     if isinstance(imatrix, torch.Tensor):
         imatrix = imatrix.detach().cpu().numpy()
     w = np.asarray(imatrix)
@@ -319,7 +322,7 @@ def quantize_gguf(x, qtype, imatrix=None) -> np.ndarray:
     qw = None
     if imatrix is not None:
         n = int(x.shape[-1])
-        w = _as_imatrix(imatrix, t, n)
+        w = _as_imatrix(imatrix, n)
         if t.block_size == 256:  # K-quants: the weights are formed per super-block
             qw = np.broadcast_to(w, (rows.size // n, n)).reshape(rows.shape)
         elif t.name != "q8_0":  # legacy: per row; Q8_0 has no weighted variant (as llama.cpp)

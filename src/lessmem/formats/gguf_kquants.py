@@ -169,6 +169,14 @@ def _q45_k(b: np.ndarray, qw, nmax: int, rmin: float, nstep: int, clamp63: bool)
 
 
 def quantize_q4_k(b: np.ndarray, qw=None) -> np.ndarray:
+    """[N, 256] float32 (and optional per-element imatrix weights) -> [N, 144] Q4_K bytes.
+
+    Example:
+        >>> b = np.linspace(-1, 1, 512, dtype=np.float32).reshape(2, 256)
+        >>> y = dequantize_q4_k(quantize_q4_k(b))
+        >>> y.shape, bool(np.abs(y - b).max() < 0.05)
+        ((2, 256), True)
+    """
     head, L = _q45_k(b, qw, 15, -1.0, 20, clamp63=False)
     q = L.reshape(-1, 4, 2, 32).astype(np.uint8)  # 64-element chunks: low nibble, high nibble
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
@@ -176,6 +184,7 @@ def quantize_q4_k(b: np.ndarray, qw=None) -> np.ndarray:
 
 
 def quantize_q5_k(b: np.ndarray, qw=None) -> np.ndarray:
+    """[N, 256] -> [N, 176] Q5_K bytes (as ``quantize_q4_k``, 5-bit codes)."""
     head, L = _q45_k(b, qw, 31, -0.5, 15, clamp63=True)
     q = L.reshape(-1, 4, 2, 32).astype(np.uint8)
     qs = ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
@@ -187,6 +196,7 @@ def quantize_q5_k(b: np.ndarray, qw=None) -> np.ndarray:
 
 
 def quantize_q2_k(b: np.ndarray, qw=None) -> np.ndarray:
+    """[N, 256] -> [N, 84] Q2_K bytes: 16 sub-blocks of 16, 4-bit scales and mins."""
     N = b.shape[0]
     if qw is None:
         xs = _sub(b, 16)
@@ -206,6 +216,7 @@ def quantize_q2_k(b: np.ndarray, qw=None) -> np.ndarray:
 
 
 def quantize_q3_k(b: np.ndarray, qw=None) -> np.ndarray:
+    """[N, 256] -> [N, 110] Q3_K bytes: 16 symmetric sub-blocks of 16, 6-bit scales."""
     N = b.shape[0]
     if qw is None:
         sc, L = make_q3(_sub(b, 16), 4)
@@ -234,6 +245,7 @@ def quantize_q3_k(b: np.ndarray, qw=None) -> np.ndarray:
 
 
 def quantize_q6_k(b: np.ndarray, qw=None) -> np.ndarray:
+    """[N, 256] -> [N, 210] Q6_K bytes: 16 symmetric sub-blocks of 16, int8 scales."""
     N = b.shape[0]
     sc, L = make_qx(_sub(b, 16), 32, None if qw is None else _sub(qw, 16))
     sc, L = sc.reshape(N, 16), L.reshape(N, 16, 16)

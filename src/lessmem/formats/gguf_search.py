@@ -51,7 +51,14 @@ def _rint(v: np.ndarray) -> np.ndarray:
 # position) so each step of C's element loop is one contiguous vector operation.
 
 def make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad):
-    """Affine search over rows of x [S, n] with weights w -> (scale [S], -min [S], L [S, n])."""
+    """Affine search over rows of x [S, n] with weights w -> (scale [S], -min [S], L [S, n]).
+
+    Example (Q4_K's settings):
+        >>> x = np.linspace(-1, 2, 32, dtype=np.float32)[None]
+        >>> s, neg_min, L = make_qkx2(x, np.ones_like(x), 15, -1.0, 0.1, 20, False)
+        >>> float(np.abs(s[:, None] * L - neg_min[:, None] - x).max()) < 0.11
+        True
+    """
     x, w = np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)
     lo = np.minimum(x.min(axis=0), F32(0))
     hi = x.max(axis=0)
@@ -110,6 +117,12 @@ def make_qx(x, nmax, w=None):
     """Symmetric weighted search (rmse_type 1) -> (scale [S], L [S, n] in [0, 2*nmax)).
 
     Weights ``w`` [S, n] (an importance matrix) or, when None, w = x^2.
+
+    Example (Q6_K's settings): x ~ scale * (L - nmax)
+        >>> x = np.array([[0.5, -1.0, 0.25, 0.0] * 4], dtype=np.float32)
+        >>> s, L = make_qx(x, 32)
+        >>> bool((s * (L.astype(np.float32) - 32) == x).all())
+        True
     """
     x = np.ascontiguousarray(x.T)
     mx, amax = _first_absmax_cols(x)
@@ -137,7 +150,14 @@ def make_qx(x, nmax, w=None):
 
 
 def make_q3(x, nmax):
-    """Symmetric search with coordinate descent (do_rmse) -> (scale [S], L [S, n] in [0, 2*nmax))."""
+    """Symmetric search with coordinate descent (do_rmse) -> (scale [S], L [S, n] in [0, 2*nmax)).
+
+    Example (Q3_K's settings): x ~ scale * (L - nmax), codes -4..3
+        >>> x = np.array([[3.0, -4.0, 1.0, 0.0] * 4], dtype=np.float32)
+        >>> s, L = make_q3(x, 4)
+        >>> (s * (L.astype(np.float32) - 4)).tolist() == x.tolist()
+        True
+    """
     x = np.ascontiguousarray(x.T)
     n = x.shape[0]
     mx, amax = _first_absmax_cols(x)
@@ -173,6 +193,12 @@ def make_qp(x, nmax, w):
     """Weighted fit of non-negative x [S, n] to s*L, L in [0, nmax] -> (scale [S], L [S, n]).
 
     L is returned as C stores it (uint8, so a negative code would wrap to 256 + code).
+
+    Example (Q4_K's 6-bit sub-block scales):
+        >>> scales = np.array([[0.10, 0.05, 0.20, 0.15, 0.0, 0.07, 0.12, 0.2]], dtype=np.float32)
+        >>> d, L = make_qp(scales, 63, np.ones_like(scales))
+        >>> int(L.max()) <= 63 and float(np.abs(d[:, None] * L - scales).max()) < 0.002
+        True
     """
     x, w = np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)
     n = x.shape[0]
