@@ -11,7 +11,7 @@ Example:
     >>> from lessmem.weights.gguf_apply import apply_gguf
     >>> m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4)
     >>> rep = apply_gguf(m, lessmem.GGUFConfig("Q4_K_M"))
-    >>> rep["types"]["model.layers.0.mlp.down_proj"], rep["types"]["model.layers.0.self_attn.q_proj"]
+    >>> rep["types"]["model.layers.1.mlp.down_proj"], rep["types"]["model.layers.0.mlp.down_proj"]
     ('q6_k', 'q4_k')
 """
 
