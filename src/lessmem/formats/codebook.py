@@ -209,7 +209,9 @@ def quantize_codebook(x: torch.Tensor, bits: int = 4, granularity: Granularity |
     else:
         codebook = gaussian_codebook(bits)
     scale = group_scales(xg, codebook, norm, scale_dtype)  # [G]
-    xn = xg.float() / scale.float().unsqueeze(1)  # [G, E], unit-scale values
+    zero = xg.abs().amax(dim=1) == 0  # all-zero groups: s = 0 reconstructs them exactly
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    xn = xg.float() / torch.where(zero, 1.0, scale.float()).unsqueeze(1)  # [G, E], unit scale
     if variant.endswith("data"):  # re-fit the levels to the normalized values
         codebook = fit_codebook(xn, bits, max_iter=max_iter, init=codebook)
     idx = assign(xn, codebook)
