@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -247,11 +248,16 @@ def model_gguf_path(model: str):
     return models.builtin_gguf(model)
 
 
-def list_tensors(model: str) -> list[dict]:
-    """Name, GGUF type and shape ([rows, cols], torch order) of every tensor in the model file."""
+@functools.lru_cache(maxsize=2)
+def _reader(path: str):
     import gguf
 
-    reader = gguf.GGUFReader(str(model_gguf_path(model)))
+    return gguf.GGUFReader(path)  # memory-mapped; parsing the header is the slow part
+
+
+def list_tensors(model: str) -> list[dict]:
+    """Name, GGUF type and shape ([rows, cols], torch order) of every tensor in the model file."""
+    reader = _reader(str(model_gguf_path(model)))
     return [{"name": t.name, "type": t.tensor_type.name, "shape": [int(s) for s in reversed(t.shape)]}
             for t in reader.tensors]
 
@@ -264,7 +270,7 @@ def load_tensor(model: str, name: str) -> tuple[torch.Tensor, dict]:
     """
     import gguf
 
-    reader = gguf.GGUFReader(str(model_gguf_path(model)))
+    reader = _reader(str(model_gguf_path(model)))
     by_name = {t.name: t for t in reader.tensors}
     t = by_name.get(name) or by_name.get(f"{name}.weight")
     if t is None:
