@@ -50,10 +50,10 @@ def test_corrupt_value_is_a_miss(redis_server):
 
 
 def test_capacity_evicts_own_lru(redis_server):
-    t = RedisTier(redis_server.url, prefix="cap:", capacity=3000)
+    t = RedisTier(redis_server.url, prefix="cap:", capacity=2200)
     for i in range(5):
-        t.put(f"k{i}", blk(i))  # ~1.1 KB each
-    assert t.nbytes <= 3000 and t.stats.evictions >= 2
+        t.put(f"k{i}", blk(i))  # ~0.7 KB each: 3 fit
+    assert t.nbytes <= 2200 and t.stats.evictions == 2
     assert not t.contains("k0") and t.contains("k4")
 
 

@@ -173,3 +173,17 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="batch 1"):
         cache.set_tokens(torch.zeros(2, 5, dtype=torch.long))
     assert TieredKVCache(m.config, _gen.CFG, tiers="host").restore_prefix([1, 2, 3]) is None
+
+
+def test_from_cache_continues_bit_exact(tmp_path):
+    m = _gen.model()
+    enable(m)
+    ids = _gen.prompt()
+    src = KVCache(m.config, _gen.CFG)
+    logits = _gen.chunked_prefill(m, src, ids)
+    tiered = TieredKVCache.from_cache(src, tiers=[DiskTier(tmp_path, fsync=False)], block_tokens=32,
+                                      device_budget="12KiB")
+    assert tiered.memory()["total"] == src.memory()["total"] and tiered.memory()["tiers"]["disk"] > 0
+    a = _gen.decode(m, src, logits, 12)
+    b = _gen.decode(m, tiered, logits, 12)
+    assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))

@@ -248,6 +248,34 @@ class TieredKVCache(KVCache):
         self._hashes: list[str] = []
         self._has_sinks_block = False
 
+    @classmethod
+    def from_cache(cls, src: KVCache, **kwargs) -> TieredKVCache:
+        """A tiered copy of a filled in-memory :class:`KVCache` (same config and model
+        config; ``kwargs`` as for the constructor): its sinks and windows are copied,
+        its quantized history is cut into blocks and placed in the tiers."""
+        import copy
+
+        new = cls(src.model_config, src.kv_config, attention=src.attention, **kwargs)
+        for i, s in enumerate(src.layers):
+            d = new.layers[i]
+            if not isinstance(d, TieredKVLayer) or not isinstance(s, QuantizedKVLayer):
+                new.layers[i] = copy.deepcopy(s)
+                continue
+            if not s.is_initialized:
+                continue
+            probe = torch.empty(s.batch_size, s.num_heads, 0, s.head_dim, dtype=s.dtype, device=s.device)
+            d.lazy_initialization(probe, probe)
+            if not s.quantized:
+                d.keys, d.values, d.length = s.keys.clone(), s.values.clone(), s.length
+                continue
+            d.sinks = (s.sinks[0].clone(), s.sinks[1].clone())
+            d.window = (s.window[0].clone(), s.window[1].clone())
+            d.length = s.length
+            if s.history is not None:
+                d._append_history({k: t.clone() for k, t in s.history.items()})
+        new.tiered = [la for la in new.layers if isinstance(la, TieredKVLayer) and la.quantized]
+        return new
+
     # ---- keys ----------------------------------------------------------------------------
     def set_tokens(self, token_ids) -> None:
         """Declare the token ids the cache holds/will hold (batch 1): blocks fully inside

@@ -1,7 +1,7 @@
 """``DiskTier``: blocks as checksummed files in a directory that survives restarts.
 
 Layout: ``<path>/blocks/<key>.blk``, each file one :func:`pack_block` blob (header with
-length and blake2b digest). A put writes ``<path>/blocks/.tmp.<pid>.<n>``, fsyncs it,
+length and CRC-32). A put writes ``<path>/blocks/.tmp.<pid>.<n>``, fsyncs it,
 renames it over the final name and fsyncs the directory, so a reader (this process, a
 peer, or a later one after ``kill -9``) sees either the whole block or no block. The
 directory *is* the index: opening a store scans it (oldest mtime = least recently
@@ -146,7 +146,11 @@ class DiskTier(Tier):
         path = self._file(key)
         try:
             with open(path, "rb") as f:
-                blob = f.read()
+                size = os.fstat(f.fileno()).st_size
+                blob = bytearray(size)  # read straight into the buffer the tensors will view
+                got = f.readinto(blob)
+                if got != size:
+                    del blob[got:]
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)

@@ -3,17 +3,21 @@
 A *block* is a mapping ``name -> torch.Tensor | QTensor`` (e.g. the quantized keys and
 values of 256 tokens of one layer). On disk and in Redis it travels as::
 
-    magic   8 bytes  b"LMKVBLK1"
+    magic   8 bytes  b"LMKVBLK2"
     hlen    u32      length of the JSON header
     plen    u64      length of the payload
-    digest  32 bytes blake2b-256 over (header JSON || payload)
+    crc     u32      CRC-32 over (header JSON || payload)
     header  hlen bytes of UTF-8 JSON: {"v": 1, "tensors": [...], "meta": {...}}
     payload plen bytes: every tensor's raw bytes, each starting at a 64-byte boundary
 
 Each tensor entry records name, dtype, shape, offset and nbytes; a QTensor is stored as
 its component tensors plus its format, shape, dtype and group metadata, so
-``unpack_block(pack_block(b))`` is bit-exact. Any mismatch (magic, lengths, digest,
+``unpack_block(pack_block(b))`` is bit-exact. Any mismatch (magic, lengths, CRC,
 table) raises :class:`CorruptBlockError` — corrupted bytes are never returned as data.
+CRC-32 (zlib, ~4x faster than blake2b here, and it releases the GIL so a prefetch
+thread verifies while attention computes) detects every burst error up to 32 bits and
+random corruption with probability 1 − 2⁻³²; it guards against storage faults, not
+against an adversary (keys, not checksums, carry identity).
 
 Example:
     >>> import torch
@@ -26,9 +30,9 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
+import zlib
 from typing import Mapping
 
 import torch
@@ -36,9 +40,9 @@ import torch
 from lessmem.formats.granularity import Granularity, GroupMeta
 from lessmem.formats.qtensor import QFormat, QTensor
 
-MAGIC = b"LMKVBLK1"
-VERSION = 1
-_FIXED = struct.Struct("<8sIQ32s")  # magic, hlen, plen, digest
+MAGIC = b"LMKVBLK2"
+VERSION = 2
+_FIXED = struct.Struct("<8sIQI")  # magic, hlen, plen, crc32
 HEADER_BYTES = _FIXED.size
 _ALIGN = 64
 
@@ -120,36 +124,42 @@ def pack_block(block: Mapping[str, torch.Tensor | QTensor], meta: dict | None = 
     header = json.dumps({"v": VERSION, "tensors": table, "q": qdesc, "meta": meta or {}},
                         separators=(",", ":"), sort_keys=True).encode()
     payload = b"".join(chunks)
-    digest = hashlib.blake2b(header + payload, digest_size=32).digest()
-    return _FIXED.pack(MAGIC, len(header), len(payload), digest) + header + payload
+    crc = zlib.crc32(payload, zlib.crc32(header))
+    return _FIXED.pack(MAGIC, len(header), len(payload), crc) + header + payload
 
 
-def read_header(prefix: bytes) -> tuple[int, int, bytes]:
-    """(header length, payload length, digest) from the first ``HEADER_BYTES`` of a blob."""
+def read_header(prefix: bytes) -> tuple[int, int, int]:
+    """(header length, payload length, crc) from the first ``HEADER_BYTES`` of a blob."""
     if len(prefix) < HEADER_BYTES:
         raise CorruptBlockError(f"block truncated: {len(prefix)} bytes < {HEADER_BYTES}-byte header")
-    magic, hlen, plen, digest = _FIXED.unpack_from(prefix)
+    magic, hlen, plen, crc = _FIXED.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {magic!r}; expected {MAGIC!r}")
-    return hlen, plen, digest
+    return hlen, plen, crc
 
 
 def unpack_block(blob: bytes | bytearray | memoryview) -> tuple[dict, dict]:
-    """Verify and deserialize; returns ``(block, meta)``. Raises CorruptBlockError."""
-    blob = memoryview(blob)
-    hlen, plen, digest = read_header(blob[:HEADER_BYTES])
-    if len(blob) != HEADER_BYTES + hlen + plen:
+    """Verify and deserialize; returns ``(block, meta)``. Raises CorruptBlockError.
+
+    A ``bytearray`` is used in place (the tensors view into it, no copy); read-only
+    bytes are copied once."""
+    view = memoryview(blob)
+    hlen, plen, crc = read_header(view[:HEADER_BYTES])
+    if len(view) != HEADER_BYTES + hlen + plen:
         raise CorruptBlockError(
-            f"block length {len(blob)} != {HEADER_BYTES + hlen + plen} (header {hlen} + payload {plen})")
-    body = blob[HEADER_BYTES:]
-    if hashlib.blake2b(body, digest_size=32).digest() != digest:
+            f"block length {len(view)} != {HEADER_BYTES + hlen + plen} (header {hlen} + payload {plen})")
+    body = view[HEADER_BYTES:]
+    if zlib.crc32(body) != crc:
         raise CorruptBlockError("block checksum mismatch")
     try:
         head = json.loads(bytes(body[:hlen]))
         if head.get("v") != VERSION:
             raise CorruptBlockError(f"block version {head.get('v')!r}; this reader knows {VERSION}")
-        payload = bytearray(body[hlen:])  # one owned copy; tensors view into it
-        buf = torch.frombuffer(payload, dtype=torch.uint8) if plen else torch.empty(0, dtype=torch.uint8)
+        if not isinstance(blob, bytearray):
+            blob = bytearray(view)
+        start = HEADER_BYTES + hlen
+        buf = (torch.frombuffer(blob, dtype=torch.uint8, offset=start, count=plen) if plen
+               else torch.empty(0, dtype=torch.uint8))
         flat = {}
         for e in head["tensors"]:
             o, n = e["offset"], e["nbytes"]
