@@ -154,6 +154,12 @@ def outlier_experiment(w: torch.Tensor, outlier_cols: list[int], bits: int = 4, 
     Returns SNR of each (all weights and ordinary weights only), the dB recovered, the
     mean error of ordinary weights that share a group with an outlier vs those that
     don't, and per-group errors on the first ``show`` weights of row 0 (the picture).
+
+    Example:
+        >>> w, cols = synthetic_weights(32, 1024, seed=11, outliers=2)
+        >>> r = outlier_experiment(w, cols, bits=4, group=32)
+        >>> r["recovered_db"] > 10, r["per_tensor"]["snr_db_ordinary"] < 1
+        (True, True)
     """
     fmt = f"{'int' if scheme == 'sym' else 'uint'}{bits}"
     gran = granularity(str(group), w.shape[-1])
@@ -193,6 +199,11 @@ def traffic_table(w: torch.Tensor, formats=(("int4", "32"),), batch: int = 1,
 
     fp16: read W (2 bytes/weight) + x + y. Fused: read the QTensor's bytes (codes + scales)
     once. Unfused: read codes + scales, write W in fp16, read it back: ≥ 4 bytes/weight.
+
+    Example:
+        >>> w, _ = synthetic_weights(64, 256)
+        >>> [(r["path"], r["bytes_per_weight"]) for r in traffic_table(w, [("int4", "32")])]
+        [('fp16', 2.0), ('fused', 0.5625), ('unfused', 4.5625)]
     """
     out_f, in_f = w.shape
     act = 2 * batch * (in_f + out_f)  # x read, y written, fp16

@@ -254,7 +254,13 @@ def _parse_int(name, v, spec):
 
 def get_kv(spec: str | KVPrecision) -> KVPrecision:
     """A KVPrecision from a name (see ``kv_choices()``), a ``NAME:opt=val`` spec, or any object
-    with ``to_plan()`` (a ``lessmem.kvcache.KVConfig``; duck-typed so torch is never imported)."""
+    with ``to_plan()`` (a ``lessmem.kvcache.KVConfig``; duck-typed so torch is never imported).
+
+    Example:
+        >>> p = get_kv("int4:g=32:zp=1:window=128:sinks=4")
+        >>> p.k_bits, p.k_group_channels, p.k_scale_bytes + p.k_zero_point_bytes, p.window
+        (4, 32, 3.0, 128)
+    """
     if isinstance(spec, KVPrecision):
         return spec
     if hasattr(spec, "to_plan"):

@@ -199,6 +199,12 @@ def weight_footprint(model, fmt: WeightFormat | str, keep_embeddings: bool = Fal
 
     When the model states ``params`` that differ from its shapes (e.g. the lecture's round
     8B), the bytes are scaled to that count at the same effective bits.
+
+    Example:
+        >>> from lessmem.plan.models import get_model
+        >>> w = weight_footprint(get_model("llama-2-7b"), "q4_k_m")
+        >>> round(w["model_bpw"], 2), round(w["bytes"] / 2**30, 2)
+        (4.84, 3.8)
     """
     fmt = get_weight_format(fmt)
     total, by_type, numel = 0.0, {}, 0
