@@ -94,3 +94,11 @@ def test_to_dict_round_trip():
         assert KVPrecision.from_dict(p.to_dict()) == p
     with pytest.raises(ValueError, match=r"unknown KVPrecision field\(s\) \['bits'\]; allowed"):
         KVPrecision.from_dict({"name": "x", "k_bits": 4, "v_bits": 4, "bits": 4})
+
+
+def test_plan_reports_marginal_and_average_bytes_per_token():
+    from lessmem.plan import plan
+
+    r = plan("llama-3-8b", context=16384, kv="kivi-4")["kv"][0]
+    assert r["per_quantized_token"] == 65536 * 4.75 / 8  # 4 bits + (fp16 scale + uint8 zp) / 32
+    assert r["per_token"] > r["per_quantized_token"]  # the fp16 window raises the average

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .hardware import DEFAULT_HARDWARE, get_hardware
 from .hybrid import choose, hybrid_row, suggestions
-from .kv import get_kv, kv_bytes
+from .kv import bytes_per_token, get_kv, kv_bytes
 from .models import get_model
 from .speed import decode_floor, transfer_times
 from .units import parse_bytes, parse_count, parse_rate
@@ -90,7 +90,8 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
     kv_rows = []
     for p in precs:
         r = kv_bytes(m, context, batch, p)
-        r["per_token_bytes_raw"] = m.kv_elements_per_token * (p.k_bits + p.v_bits) / 16
+        r["per_token_bytes_raw"] = m.kv_elements_per_token * (p.k_bits + p.v_bits) / 16  # codes only
+        r["per_quantized_token"] = bytes_per_token(m, p)  # codes + amortised scales, no window
         r["compression_vs_fp16"] = r["fp16"] / r["total"] if r["total"] else None
         r["fraction_of_fp16"] = r["total"] / r["fp16"] if r["fp16"] else None
         r["quality"], r["description"] = p.quality, p.description
