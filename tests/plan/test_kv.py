@@ -100,5 +100,6 @@ def test_plan_reports_marginal_and_average_bytes_per_token():
     from lessmem.plan import plan
 
     r = plan("llama-3-8b", context=16384, kv="kivi-4")["kv"][0]
-    assert r["per_quantized_token"] == 65536 * 4.75 / 8  # 4 bits + (fp16 scale + uint8 zp) / 32
+    # keys: 4 bits + (fp16 scale + uint8 zp) per 32 tokens; values: the same per 128 channels
+    assert r["per_quantized_token"] == 65536 / 2 * (4 + 24 / 32 + 4 + 24 / 128) / 8
     assert r["per_token"] > r["per_quantized_token"]  # the fp16 window raises the average
