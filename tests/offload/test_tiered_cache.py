@@ -187,3 +187,18 @@ def test_from_cache_continues_bit_exact(tmp_path):
     a = _gen.decode(m, src, logits, 12)
     b = _gen.decode(m, tiered, logits, 12)
     assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+def test_to_kvcache_and_set_budget(tmp_path):
+    m = _gen.model()
+    ids = _gen.prompt()
+    src = KVCache(m.config, _gen.CFG)
+    logits = _gen.chunked_prefill(m, src, ids)
+    tiered = TieredKVCache.from_cache(src, tiers=[DiskTier(tmp_path, fsync=False)], block_tokens=32)
+    assert tiered.memory()["tiers"]["disk"] == 0
+    tiered.set_device_budget(tiered.fp_bytes() + 4096)
+    assert tiered.memory()["tiers"]["disk"] > 0
+    back = tiered.to_kvcache()
+    assert back.memory()["total"] == src.memory()["total"]
+    a, b = _gen.decode(m, src, logits, 6), _gen.decode(m, back, logits, 6)
+    assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))

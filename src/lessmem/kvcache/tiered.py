@@ -256,6 +256,7 @@ class TieredKVCache(KVCache):
         import copy
 
         new = cls(src.model_config, src.kv_config, attention=src.attention, **kwargs)
+        feeds = []
         for i, s in enumerate(src.layers):
             d = new.layers[i]
             if not isinstance(d, TieredKVLayer) or not isinstance(s, QuantizedKVLayer):
@@ -272,9 +273,43 @@ class TieredKVCache(KVCache):
             d.window = (s.window[0].clone(), s.window[1].clone())
             d.length = s.length
             if s.history is not None:
-                d._append_history({k: t.clone() for k, t in s.history.items()})
+                feeds.append((d, s.history, s.n_history))
+        # position-major, so that the device tier's LRU order is the age of the tokens
+        bt = new.block_tokens
+        for t0 in range(0, max((n for _, _, n in feeds), default=0), bt):
+            for d, h, n in feeds:
+                if t0 < n:
+                    t1 = min(n, t0 + bt)
+                    d._append_history({k: t[:, :, t0 // d._tg(k):t1 // d._tg(k)].clone()
+                                       for k, t in h.items()})
         new.tiered = [la for la in new.layers if isinstance(la, TieredKVLayer) and la.quantized]
         return new
+
+    def to_kvcache(self) -> KVCache:
+        """An in-memory :class:`KVCache` holding the same state (every block gathered)."""
+        out = KVCache(self.model_config, self.kv_config, attention=self.attention)
+        for i, d in enumerate(self.layers):
+            s = out.layers[i]
+            if not isinstance(d, TieredKVLayer) or not d.is_initialized:
+                continue
+            probe = torch.empty(d.batch_size, d.num_heads, 0, d.head_dim, dtype=d.dtype, device=d.device)
+            s.lazy_initialization(probe, probe)
+            s.length = d.length
+            if not d.quantized:
+                s.keys, s.values = d.keys.clone(), d.values.clone()
+                continue
+            s.sinks = (d.sinks[0].clone(), d.sinks[1].clone())
+            s.window = (d.window[0].clone(), d.window[1].clone())
+            s.history = self._gather(d, list(d.block_keys), d.pending)
+            s.n_history = d.n_history
+        return out
+
+    def set_device_budget(self, device_budget) -> None:
+        """Change the device budget (bytes or ``"64MiB"``; None = unbounded) and demote to fit."""
+        self.device_budget = None if device_budget is None else parse_bytes(device_budget)
+        if self.device_budget is None:
+            self.device_tier.resize(None)
+        self._rebalance()
 
     # ---- keys ----------------------------------------------------------------------------
     def set_tokens(self, token_ids) -> None:
