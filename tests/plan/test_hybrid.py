@@ -59,3 +59,13 @@ def test_target_rate_validation():
         plan("llama-3-8b", target_tps=0)
     with pytest.raises(ValueError, match=r"batch=0 must be >= 1"):
         plan("llama-3-8b", batch=0)
+
+
+def test_params_override_spellings():
+    from lessmem.plan.planner import parse_params
+
+    assert [parse_params(x) for x in (8e9, "8e9", "8B", "134.5M", "70b")] == [8e9, 8e9, 8e9, 134.5e6, 70e9]
+    with pytest.raises(ValueError, match=r"params='lots' is not a parameter count; use e.g. 8e9"):
+        parse_params("lots")
+    with pytest.raises(ValueError, match=r"params=0 must be positive"):
+        plan("llama-3-8b", params=0)

@@ -224,8 +224,8 @@ LESSMEM: dict[str, KVPrecision] = {
         _lessmem("int4-rot", 4, 4, rot=True, desc="int4 per token, Hadamard-rotated keys and values"),
         _lessmem("best-4", 4, 4, (64, 1), rot=True, window=96, block=64,
                  desc="int4 keys per channel (64 tokens) rotated, int4 values per token, window 96"),
-        _lessmem("best-2", 3, 2, (64, 1), (1, 32), rot=True, window=96, block=64,
-                 desc="3-bit rotated per-channel keys (64 tokens), 2-bit rotated values (groups of 32)"),
+        _lessmem("best-2", 3, 2, (64, 1), rot=True, window=96, block=64,
+                 desc="3-bit rotated per-channel keys (64 tokens), 2-bit rotated values per token"),
     )
 }
 

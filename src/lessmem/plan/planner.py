@@ -42,6 +42,22 @@ def _positive_int(name, v, allow_zero=False):
     return v
 
 
+def parse_params(v) -> float:
+    """A parameter count: 8e9, "8e9", "8B", "134.5M", "70b" (decimal: K 1e3, M 1e6, B 1e9, T 1e12)."""
+    import re
+
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        x = float(v)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*", str(v), re.I)
+        if not m:
+            raise ValueError(f"params={v!r} is not a parameter count; use e.g. 8e9, 8B or 134.5M")
+        x = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
+    if not x > 0:
+        raise ValueError(f"params={v!r} must be positive")
+    return x
+
+
 def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
          hardware=DEFAULT_HARDWARE, kv_budget=None, target_tps=25.0, buffer=None,
          params=None, keep_embeddings=False, **hw_overrides) -> dict:
@@ -58,8 +74,7 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
     """
     m = get_model(model)
     if params is not None:
-        m = m.with_params(float(parse_count(params, "params")) if isinstance(params, str) and
-                          params.strip()[-1:].lower() in "km" else float(params))
+        m = m.with_params(parse_params(params))
     context = m.max_context if context is None else _positive_int("context", context)
     batch = _positive_int("batch", batch)
     ov = {}
