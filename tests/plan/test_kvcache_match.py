@@ -30,7 +30,9 @@ def test_every_cache_preset_is_in_the_planner_table():
         assert _plan_name(name) in KV_PRESETS, name
         ours, theirs = KV_PRESETS[_plan_name(name)], cfg.to_plan(name)
         for f in BYTE_FIELDS:
-            assert getattr(ours, f) == getattr(theirs, f), (name, f)
+            assert getattr(ours, f) == getattr(theirs, f), (
+                f"preset {name!r} field {f}: planner {getattr(ours, f)!r} vs cache {getattr(theirs, f)!r}; "
+                "update lessmem.plan.kv.LESSMEM (torch-free copy of lessmem.kvcache.PRESETS)")
 
 
 @pytest.fixture(scope="module")
