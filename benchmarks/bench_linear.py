@@ -61,11 +61,11 @@ def main() -> int:
         for threads in sorted({1, all_threads}):
             torch.set_num_threads(threads)
             with torch.no_grad():
-                t_fp32 = timeit(lambda: lin(x), repeat=repeat, warmup=3)
+                t_fp32 = timeit(lambda lin=lin, x=x: lin(x), repeat=repeat, warmup=3)
                 row = {"in_features": k, "out_features": n, "threads": threads,
                        "fp32_ms": t_fp32 * 1e3, "fp32_GBps": fp32_bytes / t_fp32 / 1e9}
                 for name, q in qs.items():
-                    t = timeit(lambda q=q: q(x), repeat=repeat, warmup=3)
+                    t = timeit(lambda q=q, x=x: q(x), repeat=repeat, warmup=3)
                     row[f"{name}_ms"] = t * 1e3
                     row[f"{name}_speedup"] = t_fp32 / t
                     row[f"{name}_GBps"] = q.nbytes / t / 1e9

@@ -30,12 +30,18 @@ def builtin_corpus() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def _is_path(c) -> bool:
+    if isinstance(c, Path):
+        return True
+    return isinstance(c, str) and "\n" not in c and len(c) < 4096 and Path(c).is_file()
+
+
 def describe(calibration) -> str:
     if calibration is None:
         return "built-in corpus (pydoc_data.topics)"
     if isinstance(calibration, torch.Tensor):
         return f"token ids {tuple(calibration.shape)}"
-    if isinstance(calibration, (str, Path)) and Path(str(calibration)).is_file():
+    if _is_path(calibration):
         return f"file {calibration}"
     return "text given by the caller"
 
@@ -47,8 +53,7 @@ def calibration_ids(calibration, tokenizer, n_samples: int, seq_len: int) -> tor
     else:
         if calibration is None:
             text = builtin_corpus()
-        elif isinstance(calibration, Path) or (isinstance(calibration, str) and "\n" not in calibration
-                                               and len(calibration) < 4096 and Path(calibration).is_file()):
+        elif _is_path(calibration):
             text = Path(calibration).read_text(encoding="utf-8", errors="replace")
         elif isinstance(calibration, str):
             text = calibration

@@ -212,6 +212,7 @@ class AWQConfig(CalibratedConfig):
     n_grid: int = 20
     clip_search: bool = True
     max_shrink: float = 0.5
+    search_samples: int | None = None  # windows used by the α search (None: all; fewer on CPU)
 
     method = "awq"
 
@@ -219,6 +220,8 @@ class AWQConfig(CalibratedConfig):
         super().__post_init__()
         _check_int("n_grid", "AWQConfig", self.n_grid, 1, 200)
         _check_float("max_shrink", "AWQConfig", self.max_shrink, 0.0, 0.9)
+        if self.search_samples is not None:
+            _check_int("search_samples", "AWQConfig", self.search_samples, 1)
 
 
 @dataclass(frozen=True)

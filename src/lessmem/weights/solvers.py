@@ -76,8 +76,9 @@ def solve_awq(block, arch: Arch, hidden, kwargs, cfgs: dict, config, keep_tokens
         foldable = all(m.in_features == k for m in lins.values()) and (
             not hasattr(prev, "out_features") or prev.out_features == k)
         if foldable:
+            xs_search = x[:config.search_samples] if config.search_samples else x
             s, best, loss0 = search_scale(block, g, lins, {n: cfgs[n] for n in lins},
-                                          x, kwargs, config.n_grid)
+                                          xs_search, kwargs, config.n_grid)
             fold_scale(block, g, lins, s)
             x = x / s  # the group's input as the folded model now sees it
             info[g.prev] = {"loss_alpha0": loss0, "loss_best": best}
