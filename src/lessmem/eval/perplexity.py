@@ -121,12 +121,15 @@ def evaluate(
     progress: Callable[[int, int], None] | None = None,
     model_name: str | None = None,
     text_name: str | None = None,
+    time_budget_s: float | None = None,
 ) -> list[dict]:
     """Run the protocol (module docstring) for each config; one result dict per config.
 
     ``configs``: names (``"dynamic"``, peers, lessmem presets), KVConfigs or
     CacheSpecs; the ``"dynamic"`` baseline is always evaluated and comes first.
     ``progress(done, total)`` is called after every forward step of every window.
+    ``time_budget_s``: stop after the window during which the budget ran out (at least
+    one window is always done); the rows then report the windows actually evaluated.
     Each dict carries ``config, kind, ppl, delta_ppl_pct, kld, top1, k_bits, v_bits,
     kv_bytes, fp16_kv_bytes, compression, tok_per_s, speed_vs_baseline, tokens_scored,
     memory`` and the protocol (``model, text, windows, window_len, chunk, prefill``).
@@ -148,8 +151,11 @@ def evaluate(
     accs = {s.name: _Acc() for s in specs}
     starts = list(range(P, window_len, chunk))
     total, done = windows * (1 + len(starts)), 0
+    t_start, n_done = time.perf_counter(), 0
 
     for w in range(windows):
+        if time_budget_s is not None and n_done and time.perf_counter() - t_start > time_budget_s:
+            break
         ids = ids_all[w : w + 1].to(device)  # [1, N]
         caches = {s.name: s.make(model.config) for s in specs}
         # prefill: last logits predict token P
@@ -189,11 +195,12 @@ def evaluate(
         for s in specs:
             accs[s.name].mem.append(measure_memory(caches[s.name]))
         del caches
+        n_done += 1
 
     protocol = {
         "model": model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
         "text": text_name or ("<ids>" if isinstance(text, torch.Tensor) else "<string>"),
-        "windows": windows,
+        "windows": n_done,
         "window_len": window_len,
         "chunk": chunk,
         "prefill": P,
@@ -212,6 +219,10 @@ def _rows(specs: list[CacheSpec], accs: dict, protocol: dict) -> list[dict]:
         ppl = math.exp(a.nll / a.n)
         tps = a.fed / a.seconds if a.seconds > 0 else float("nan")
         kv, fp16 = int(round(mem["total"])), int(round(mem.get("fp16_equivalent", 0)))
+        # bits over quantized tokens; with nothing quantized (0), the bits of what is held
+        all_bits = 16.0 * kv / fp16 if fp16 else float("nan")
+        k_bits = float(mem.get("k_bits", float("nan"))) or all_bits
+        v_bits = float(mem.get("v_bits", float("nan"))) or all_bits
         rows.append({
             "config": s.name,
             "kind": s.kind,
@@ -219,8 +230,8 @@ def _rows(specs: list[CacheSpec], accs: dict, protocol: dict) -> list[dict]:
             "delta_ppl_pct": 100.0 * (ppl / base_ppl - 1.0),
             "kld": a.kld / a.n,
             "top1": a.top1 / a.n,
-            "k_bits": float(mem.get("k_bits", float("nan"))),
-            "v_bits": float(mem.get("v_bits", float("nan"))),
+            "k_bits": k_bits,
+            "v_bits": v_bits,
             "kv_bytes": kv,
             "fp16_kv_bytes": fp16,
             "compression": fp16 / kv if kv else float("nan"),
