@@ -61,7 +61,10 @@ def test_assignment_matches_argmin_reference_including_ties():
     down = torch.nextafter(mids, torch.full_like(mids, -math.inf))
     rnd = torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 1.5
     xn = torch.cat([rnd, mids, up, down, c, torch.tensor([-1e3, 1e3, 0.0])])
-    assert torch.equal(assign(xn, c), codebook_assign_reference(xn, c))
+    assert torch.equal(assign(xn, c).long(), codebook_assign_reference(xn, c))
+    c6 = gaussian_codebook(6)  # the bucketize path (> 32 levels)
+    xn6 = torch.cat([rnd * 2, ((c6[1:].double() + c6[:-1].double()) / 2).float(), c6])
+    assert torch.equal(assign(xn6, c6).long(), codebook_assign_reference(xn6, c6))
     # a tie goes to the lower level
     lv = torch.tensor([-1.0, 1.0])
     assert assign(torch.tensor([0.0]), lv).item() == 0
@@ -100,7 +103,8 @@ def test_best_norm_is_never_worse_than_either_candidate_per_group():
 
     best = group_err(quantize_codebook(x, 3, gran, norm="best"))
     for norm in ("rms", "absmax"):
-        assert bool((best <= group_err(quantize_codebook(x, 3, gran, norm=norm)) + 1e-9).all())
+        other = group_err(quantize_codebook(x, 3, gran, norm=norm))
+        assert bool((best <= other * (1 + 1e-5)).all())
     rms, amax = _candidate_scales(xg.float(), c, "best", torch.float16)
     chosen = quantize_codebook(x, 3, gran).scale
     assert bool(((chosen == rms) | (chosen == amax)).all())
@@ -134,7 +138,7 @@ def test_data_fit_beats_gaussian_on_non_gaussian_data():
 def test_fit_codebook_reaches_a_lloyd_fixed_point():
     v = torch.randn(20000, generator=torch.Generator().manual_seed(5)).pow(3)
     c = fit_codebook(v, 3, max_iter=500, tol=0.0)
-    idx = assign(v, c)
+    idx = assign(v, c).long()
     for i in range(c.numel()):
         cell = v[idx == i]
         assert cell.numel() > 0

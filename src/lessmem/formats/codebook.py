@@ -10,7 +10,8 @@ is either
   c_i = E[X | t_{i-1} < X < t_i] = (φ(t_{i-1}) - φ(t_i)) / (Φ(t_i) - Φ(t_{i-1})).
   For 2 bits this gives ±0.4528, ±1.5104 (MSE 0.1175 σ²).
 - ``fit="data"``: the same iteration on the empirical distribution of the normalized
-  values (1-D k-means, started from the Gaussian solution).
+  values (1-D k-means, started from the Gaussian solution; on at most 2^20 of them,
+  taken at an even stride, so large tensors fit in bounded time and stay deterministic).
 
 Group normalization ``norm``: ``"rms"`` sets s = sqrt(mean(x²)) (the Gaussian codebook is
 designed for unit variance); ``"absmax"`` sets s = max|x| / c_max, so the largest element
@@ -53,6 +54,7 @@ from .qtensor import DEQUANTIZERS, QFormat, QTensor
 CODEBOOK_BITS = (1, 2, 3, 4, 5, 6)  # 7-8 bits: Lloyd on the density takes ~20 s
 NORMS = ("best", "absmax", "rms")
 FITS = ("gaussian", "data")
+FIT_SAMPLES = 1 << 20  # fit="data" runs Lloyd on at most ~this many values (an even stride)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,8 +103,20 @@ def midpoints_below(codebook: torch.Tensor) -> torch.Tensor:
 
 
 def assign(xn: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest level for each float32 value (ties -> lower index), int64."""
-    return torch.bucketize(xn.float().contiguous(), midpoints_below(codebook))
+    """Index of the nearest level for each float32 value (ties -> lower index), uint8.
+
+    idx = #{i : x > m_i} over the 2^b - 1 decision boundaries. Up to 32 levels, one
+    vectorized compare-and-add per boundary beats ``torch.bucketize``'s binary search on
+    CPU (measured 2-5x); above, bucketize. Both count exactly the same comparisons.
+    """
+    x = xn.float()
+    m = midpoints_below(codebook)
+    if m.numel() > 31:
+        return torch.bucketize(x.contiguous(), m).to(torch.uint8)
+    idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for v in m.tolist():
+        idx += x > v
+    return idx
 
 
 def fit_codebook(values: torch.Tensor, bits: int, max_iter: int = 30,
@@ -125,7 +139,7 @@ def fit_codebook(values: torch.Tensor, bits: int, max_iter: int = 30,
     n = c.numel()
     v64 = v.double()
     for _ in range(max_iter):
-        idx = assign(v, c)
+        idx = assign(v, c).long()
         sums = torch.bincount(idx, weights=v64, minlength=n)
         counts = torch.bincount(idx, minlength=n).double()
         new = torch.where(counts > 0, sums / counts.clamp(min=1), c.double()).float()
@@ -141,34 +155,36 @@ def _candidate_scales(xf: torch.Tensor, codebook: torch.Tensor, norm: str,
                       scale_dtype: torch.dtype) -> list[torch.Tensor]:
     cands = []
     if norm in ("rms", "best"):
-        cands.append(_store(xf.double().pow(2).mean(dim=1).sqrt().float(), scale_dtype))
+        cands.append(_store((xf * xf).mean(dim=1).sqrt(), scale_dtype))  # RMS
     if norm in ("absmax", "best"):
         cands.append(_store(xf.abs().amax(dim=1) / codebook.abs().max(), scale_dtype))
     return cands
 
 
 def group_scales(xg: torch.Tensor, codebook: torch.Tensor, norm: str,
-                 scale_dtype: torch.dtype) -> torch.Tensor:
-    """Stored per-group scale [G] for a grouped view [G, E].
+                 scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored per-group scale [G] for a grouped view [G, E], and the indices [G, E] under it.
 
     ``"best"`` keeps, per group, whichever of the RMS and absmax scales gives the smaller
     squared error Σ(x - s·c[idx])² (ties -> RMS).
     """
     xf = xg.float()
-    cands = _candidate_scales(xf, codebook, norm, scale_dtype)
-    if len(cands) == 1:
-        return cands[0]
-    best, best_err = None, None
-    for s in cands:
+    best = best_idx = best_err = None
+    for s in _candidate_scales(xf, codebook, norm, scale_dtype):
         sf = s.float().unsqueeze(1)
-        err = (xf - codebook[assign(xf / sf, codebook)] * sf).double().pow(2).sum(dim=1)  # [G]
+        idx = assign(xf / sf, codebook)  # [G, E]
         if best is None:
-            best, best_err = s, err
-        else:
-            better = err < best_err
-            best = torch.where(better, s, best)
-            best_err = torch.where(better, err, best_err)
-    return best
+            best, best_idx = s, idx
+            if norm != "best":
+                break
+            best_err = (xf - codebook[idx.long()] * sf).pow(2).sum(dim=1)  # [G]
+            continue
+        err = (xf - codebook[idx.long()] * sf).pow(2).sum(dim=1)
+        better = err < best_err
+        best = torch.where(better, s, best)
+        best_idx = torch.where(better.unsqueeze(1), idx, best_idx)
+        best_err = torch.where(better, err, best_err)
+    return best, best_idx
 
 
 def quantize_codebook(x: torch.Tensor, bits: int = 4, granularity: Granularity | None = None,
@@ -208,13 +224,15 @@ def quantize_codebook(x: torch.Tensor, bits: int = 4, granularity: Granularity |
         variant = f"lm{bits}-custom"
     else:
         codebook = gaussian_codebook(bits)
-    scale = group_scales(xg, codebook, norm, scale_dtype)  # [G]
+    scale, idx = group_scales(xg, codebook, norm, scale_dtype)  # [G], [G, E]
     zero = xg.abs().amax(dim=1) == 0  # all-zero groups: s = 0 reconstructs them exactly
     scale = torch.where(zero, torch.zeros_like(scale), scale)
-    xn = xg.float() / torch.where(zero, 1.0, scale.float()).unsqueeze(1)  # [G, E], unit scale
-    if variant.endswith("data"):  # re-fit the levels to the normalized values
-        codebook = fit_codebook(xn, bits, max_iter=max_iter, init=codebook)
-    idx = assign(xn, codebook)
+    if variant.endswith("data"):  # re-fit the levels to the normalized values, re-assign
+        xn = xg.float() / torch.where(zero, 1.0, scale.float()).unsqueeze(1)  # [G, E]
+        flat = xn.reshape(-1)
+        step = max(1, flat.numel() // FIT_SAMPLES)  # even stride: deterministic, 2^20 values max
+        codebook = fit_codebook(flat[::step], bits, max_iter=max_iter, init=codebook)
+        idx = assign(xn, codebook)
     fmt = QFormat("codebook", bits, granularity, True, variant)
     extra = {"codebook": codebook.float().contiguous()}
     return QTensor(pack_bits(idx, bits), scale, None, fmt, tuple(x.shape), x.dtype, meta, extra)
