@@ -94,11 +94,12 @@ class _Acc:
         self.mem: list[dict] = []
 
     def add(self, logits, base_logp, base_top, targets):
-        # logits [T, V] of this config; base_logp [T, V] baseline log-probs; targets [T]
-        logq = torch.log_softmax(logits.float(), dim=-1)
-        self.nll -= float(logq.gather(-1, targets[:, None]).double().sum())
+        # logits [T, V] of this config; base_logp [T, V] baseline log-probs (float64, so
+        # that small KLDs do not drown in float32 rounding); targets [T]
+        logq = torch.log_softmax(logits.double(), dim=-1)
+        self.nll -= float(logq.gather(-1, targets[:, None]).sum())
         p = base_logp.exp()
-        self.kld += float((p * (base_logp - logq)).sum(-1).clamp_min(0).double().sum())
+        self.kld += float((p * (base_logp - logq)).sum(-1).clamp_min(0).sum())
         self.top1 += int((logq.argmax(-1) == base_top).sum())
         self.n += targets.numel()
 
@@ -164,7 +165,7 @@ def evaluate(
             out = model(ids[:, :P], **{kw: caches[s.name]}, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1:]  # [1, V]
             if base_logp is None:
-                base_logp = torch.log_softmax(logits.float(), -1)
+                base_logp = torch.log_softmax(logits.double(), -1)
                 base_top = base_logp.argmax(-1)
             accs[s.name].add(logits, base_logp, base_top, ids[0, P : P + 1])
         done += 1
@@ -186,7 +187,7 @@ def evaluate(
                 if n_t == 0:
                     continue
                 if base_logp is None:
-                    base_logp = torch.log_softmax(logits.float(), -1)
+                    base_logp = torch.log_softmax(logits.double(), -1)
                     base_top = base_logp.argmax(-1)
                 acc.add(logits, base_logp, base_top, targets)
             done += 1
