@@ -154,3 +154,14 @@ def test_errors():
         quantize(torch.ones(4), "fp8-e5m2", scaled="yes")
     with pytest.raises(ValueError, match="unknown format 'fp8-e4m2'"):
         quantize(torch.ones(4), "fp8-e4m2")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_table_decode_equals_torch_cast(variant):
+    from lessmem.formats.fp8 import _to_float
+
+    c = torch.arange(256, dtype=torch.uint8).view(FP8_FORMATS[variant].dtype).reshape(16, 16)
+    a, b = _to_float(c), c.float()
+    assert torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(a[~a.isnan()], b[~b.isnan()])
+    assert torch.equal(a.signbit(), b.signbit())  # -0 stays -0

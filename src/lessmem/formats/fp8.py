@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -137,8 +138,22 @@ def quantize_fp8(x: torch.Tensor, variant: str = "e4m3fn", granularity: Granular
     return QTensor(codes, scale, None, fmt, tuple(x.shape), x.dtype, meta)
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_table(dtype: torch.dtype) -> torch.Tensor:
+    """float32 value of each of the 256 bit patterns (NaN where the format says so)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
+
+
+def _to_float(codes: torch.Tensor) -> torch.Tensor:
+    # torch's CPU fp8 -> fp32 casts run ~0.6 GB/s for the e4m3 / fnuz dtypes (e5m2 is a
+    # cheap widening to fp16); a 256-entry table lookup is ~4x faster, bit-identical
+    if codes.device.type != "cpu" or codes.dtype == torch.float8_e5m2:
+        return codes.float()
+    return torch.take(_decode_table(codes.dtype), codes.view(torch.uint8).long())
+
+
 def _dequantize_fp8(qt: QTensor) -> torch.Tensor:
-    y = qt.codes.float()  # [G, E]
+    y = _to_float(qt.codes)  # [G, E]
     if qt.scale is not None:
         y = y * qt.scale.float().unsqueeze(1)
     return Granularity.ungroup(y, qt.meta)
