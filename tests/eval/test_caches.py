@@ -1,0 +1,75 @@
+"""Cache specs and byte measurement: baseline, lessmem presets, peers."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from lessmem.eval import CacheSpec, evaluate, measure_memory, resolve_configs
+from lessmem.eval.caches import available_peers, cache_kwarg, lessmem_presets, resolve_config
+from lessmem.models import tiny_random, tiny_tokenizer
+
+TEXT = "".join(f"record {i}; value={i * 37 % 101}; status ok.\n" for i in range(300))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_random("llama", hidden_size=128, num_heads=2, num_kv_heads=1)
+
+
+def _fill(model, cache, n):
+    ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(ids, **{cache_kwarg(model): cache})
+    return cache
+
+
+def test_dynamic_bytes_are_counted_from_tensors(model):
+    mem = measure_memory(_fill(model, DynamicCache(config=model.config), 40))
+    # 2 layers x (K + V) x [1, 1, 40, 64] float32
+    assert mem["total"] == 2 * 2 * 40 * 64 * 4
+    assert mem["fp16_equivalent"] == 2 * 2 * 40 * 64 * 2
+    assert mem["k_bits"] == mem["v_bits"] == 32.0
+
+
+def test_resolve_names_and_errors():
+    assert resolve_config("dynamic").kind == "baseline"
+    assert [s.name for s in resolve_configs("dynamic, int4")] == ["dynamic", "int4"]
+    with pytest.raises(ValueError, match="unknown KV config 'int5'; allowed: dynamic"):
+        resolve_config("int5")
+    with pytest.raises(ValueError, match="preset name, a KVConfig or a CacheSpec"):
+        resolve_config(4)
+    spec = CacheSpec("x", lambda cfg: DynamicCache(config=cfg))
+    assert resolve_config(spec) is spec
+
+
+@pytest.mark.skipif("fp16" not in lessmem_presets(), reason="lessmem.kvcache presets not available")
+def test_fp16_preset_equals_dynamic_and_int4_is_smaller(model):
+    tok = tiny_tokenizer()
+    rows = {r["config"]: r for r in evaluate(model, tok, ["fp16", "int4"], TEXT, 1, 320, 16)}
+    assert rows["fp16"]["kld"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["fp16"]["top1"] == 1.0
+    assert rows["int4"]["kv_bytes"] < rows["int4"]["fp16_kv_bytes"]
+    assert 4.0 < rows["int4"]["k_bits"] < 5.0
+
+
+@pytest.mark.skipif("fp16" not in lessmem_presets(), reason="lessmem.kvcache presets not available")
+def test_kvconfig_object_is_named_after_its_preset():
+    presets = lessmem_presets()
+    assert resolve_config(presets["int4"]).name == "int4"
+
+
+@pytest.mark.skipif("quanto-int4" not in available_peers(), reason="optimum-quanto not installed")
+def test_quanto_peer_bytes(model):
+    cache = resolve_config("quanto-int4").make(model.config)
+    mem = measure_memory(_fill(model, cache, 200))
+    # quanto int4, groups of 64 with a float32 scale and shift each: 4 + 64/64 = 5 bits
+    assert mem["k_bits"] == pytest.approx(5.0)
+    assert mem["quantized"] > 0 and mem["total"] < mem["fp16_equivalent"] * 2
+    assert mem["fp16_equivalent"] == 2 * 2 * 200 * 64 * 2
+
+
+def test_fp8_peer_runs_in_protocol(model):
+    tok = tiny_tokenizer()
+    r = {x["config"]: x for x in evaluate(model, tok, ["hf-fp8"], TEXT, 1, 64, 8)}["hf-fp8"]
+    assert r["k_bits"] == pytest.approx(8.0, abs=0.01)
+    assert r["compression"] == pytest.approx(2.0, rel=0.01)
