@@ -108,3 +108,12 @@ def test_packing_errors():
         unpack_bits(torch.zeros(8, dtype=torch.uint8), 0, 8)
     with pytest.raises(ValueError, match="packed buffer has 2 bytes but 8 codes of 3 bits need 3"):
         unpack_bits(torch.zeros(2, dtype=torch.uint8), 3, 8)
+
+
+def test_unknown_format_lists_every_family():
+    with pytest.raises(ValueError, match="unknown format 'fp9'") as e:
+        quantize(X, "fp9")
+    msg = str(e.value)
+    for part in ("int2..int8", "uint2..uint8", "fp8-e4m3 (=fp8-e4m3fn)", "fp8-e4m3fnuz", "fp8-e5m2",
+                 "lm1..lm6"):
+        assert part in msg

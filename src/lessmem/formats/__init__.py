@@ -43,16 +43,20 @@ QUANTIZERS: dict[str, Callable] = {
     r"int([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=True, **kw),
     r"uint([2-8])": lambda x, m, **kw: quantize_int(x, int(m.group(1)), symmetric=False, **kw),
 }
-QUANTIZERS[r"fp8-(e4m3|e4m3fn|e4m3fnuz|e5m2|e5m2fnuz)"] = (
-    lambda x, m, **kw: quantize_fp8(x, m.group(1), **kw))
+_FP8 = r"fp8-(e4m3|e4m3fn|e4m3fnuz|e5m2|e5m2fnuz)"
+QUANTIZERS[_FP8] = lambda x, m, **kw: quantize_fp8(x, m.group(1), **kw)
 QUANTIZERS[r"lm([1-6])"] = lambda x, m, **kw: quantize_codebook(x, int(m.group(1)), **kw)
+# how format_names() spells a pattern for people (default: the pattern itself)
+_LABELS = {_FP8: "fp8-e4m3 (=fp8-e4m3fn), fp8-e4m3fnuz, fp8-e5m2, fp8-e5m2fnuz",
+           r"lm([1-6])": "lm1..lm6"}
 # GGUF block formats, raw llama.cpp bytes: q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k
 QUANTIZERS[GGUF_PATTERN] = lambda x, m, **kw: quantize_gguf_qtensor(x, m.group(0), **kw)
 
 
 def format_names() -> list[str]:
     """Human list of the accepted format names."""
-    return ["int2..int8", "uint2..uint8", *[p for p in QUANTIZERS if not p.startswith(("int", "uint"))]]
+    return ["int2..int8", "uint2..uint8",
+            *[_LABELS.get(p, p) for p in QUANTIZERS if not p.startswith(("int", "uint"))]]
 
 
 def quantize(x, fmt: str = "int8", **options) -> QTensor:
