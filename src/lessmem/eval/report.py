@@ -60,7 +60,10 @@ def print_table(rows: list[dict], passkey: dict | None = None, console=None) -> 
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: do not squeeze into 80 columns
+            console = Console(width=160)
     r0 = rows[0]
     title = (f"{r0['model']} on {r0['text']}: {r0['windows']} x {r0['window_len']} tokens, "
              f"prefill {r0['prefill']}, chunk {r0['chunk']}")

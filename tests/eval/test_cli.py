@@ -1,0 +1,94 @@
+"""`lessmem eval` and `lessmem generate` end to end on a tiny saved model; bad input -> exit 2."""
+
+import json
+
+import pytest
+
+from lessmem.cli import main
+from lessmem.models import tiny_random, tiny_tokenizer
+
+JSON_KEYS = {"config", "ppl", "delta_ppl_pct", "kld", "top1", "k_bits", "v_bits", "kv_bytes",
+             "fp16_kv_bytes", "tok_per_s", "model", "text", "windows", "window_len", "chunk"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_random("llama", hidden_size=128, num_heads=2, num_kv_heads=1).save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("text") / "t.txt"
+    f.write_text("".join(f"Paragraph {i}: numbers {i * i} and {i + 3}.\n" for i in range(200)))
+    return f
+
+
+def _eval(model_dir, text_file, *extra):
+    return ["eval", "--model", str(model_dir), "--text", str(text_file), "--windows", "2",
+            "--window-len", "64", "--chunk", "8", "--no-progress", *extra]
+
+
+def test_eval_json_schema(model_dir, text_file, capsys, tmp_path):
+    out = tmp_path / "r.json"
+    rc = main(_eval(model_dir, text_file, "--kv", "hf-fp8", "--json", "--out", str(out),
+                    "--plot", str(tmp_path / "p.png")))
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["config"] for r in rows] == ["dynamic", "hf-fp8"]
+    for r in rows:
+        assert JSON_KEYS <= set(r)
+        assert (r["model"], r["text"], r["windows"], r["window_len"], r["chunk"]) == (
+            str(model_dir), str(text_file), 2, 64, 8)
+        assert r["ppl"] > 1 and 0 <= r["top1"] <= 1
+    assert rows[0]["delta_ppl_pct"] == 0.0 and rows[0]["kld"] == 0.0
+    assert json.loads(out.read_text()) == rows
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_eval_table_with_passkey(model_dir, text_file, capsys):
+    rc = main(_eval(model_dir, text_file, "--kv", "hf-fp8", "--passkey", "512", "--passkey-depths", "0.5"))
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "dynamic" in out and "hf-fp8" in out and "Δppl" in out and "/1" in out
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--kv", "int9"], "unknown KV config 'int9'"),
+    (["--window-len", "4"], "window_len=4; allowed: an integer >= 8"),
+    (["--chunk", "0"], "chunk=0; allowed: an integer >= 1"),
+    (["--windows", "0"], "windows=0"),
+    (["--passkey", "1k"], "--passkey='1k'; allowed: comma-separated integers"),
+    (["--kv", ","], "names no config"),
+])
+def test_eval_bad_input_exit_2(model_dir, text_file, capsys, extra, match):
+    assert main(_eval(model_dir, text_file, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1 and err.startswith("lessmem eval: error:")
+
+
+def test_eval_missing_text_file_exit_2(model_dir, capsys):
+    assert main(["eval", "--model", str(model_dir), "--text", "/no/such.txt", "--no-progress"]) == 2
+    assert "'/no/such.txt' is neither a readable file" in capsys.readouterr().err
+
+
+def test_eval_unknown_model_exit_2(text_file, capsys):
+    assert main(["eval", "--model", "no-such-model", "--text", str(text_file), "--no-progress"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_generate_streams_and_prints_bytes(model_dir, capsys):
+    rc = main(["generate", "hello there", "--model", str(model_dir), "--kv", "dynamic",
+               "--max-new-tokens", "6", "--raw"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "KV cache dynamic:" in out and "+ 6 new tokens" in out and "total " in out
+
+
+def test_generate_bad_input_exit_2(model_dir, capsys):
+    assert main(["generate", "hi", "--model", str(model_dir), "--kv", "int9"]) == 2
+    assert "unknown KV config 'int9'" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(model_dir), "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens=0; allowed" in capsys.readouterr().err
