@@ -201,6 +201,9 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
         elif path.is_dir() and (path / QUANT_MARKER).exists():
             model, tok = _load_quantized_checkpoint(path)
         elif path.is_dir():
+            if not (path / "config.json").exists():
+                raise ValueError(f"could not load model {name!r} as a directory: it has no config.json "
+                                 f"(nor {QUANT_MARKER}); pass a HF model directory or a .gguf file")
             model, tok = _load_hf(str(path), dtype, local=True)
         elif path.exists():
             raise ValueError(f"{name!r} is a file but not a .gguf file; pass a .gguf file, "
@@ -334,7 +337,7 @@ def _load_hf(name: str, dtype: torch.dtype, local: bool):
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=local)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         where = "directory" if local else "hub id (is a Hugging Face hub reachable from here?)"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"could not load model {name!r} as a {where}: {first}") from exc

