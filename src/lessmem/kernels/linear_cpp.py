@@ -101,52 +101,58 @@ torch::Tensor w8a8_linear(torch::Tensor xq, torch::Tensor sx, torch::Tensor w, t
   return y;
 }
 
+// Codes of a row are split by phase so the inner loops need no interleaving: for 4 bits,
+// byte j holds codes 2j (low nibble) and 2j+1 (high); with xp[p][j] = x[P*j + p] the dot
+// is sum_j sum_p xp[p][j] * ((b[j] >> BITS*p) & mask), one contiguous, vectorizable loop.
+// 3 bits: 8 codes in 3 bytes (a 24-bit word per j), phases p = 0..7.
 template <int BITS>
-static inline void unpack_row(const uint8_t* src, float* dst, int64_t K) {
-  if (BITS == 4) {
-    #pragma omp simd
-    for (int64_t j = 0; j < K / 2; ++j) {
-      const uint8_t b = src[j];
-      dst[2 * j] = (float)(b & 15); dst[2 * j + 1] = (float)(b >> 4);
-    }
-  } else if (BITS == 2) {
-    #pragma omp simd
-    for (int64_t j = 0; j < K / 4; ++j) {
-      const uint8_t b = src[j];
-      dst[4 * j] = (float)(b & 3); dst[4 * j + 1] = (float)((b >> 2) & 3);
-      dst[4 * j + 2] = (float)((b >> 4) & 3); dst[4 * j + 3] = (float)(b >> 6);
-    }
-  } else {  // 3 bits: 8 codes in 3 bytes, little-endian bit stream
-    #pragma omp simd
-    for (int64_t j = 0; j < K / 8; ++j) {
-      const uint32_t v = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) | ((uint32_t)src[3 * j + 2] << 16);
-      for (int i = 0; i < 8; ++i) dst[8 * j + i] = (float)((v >> (3 * i)) & 7);
-    }
-  }
-}
-
-template <int BITS>
-static void lowbit_impl(const float* xp, const uint8_t* cp, const float* sp, const float* zp,
+static void lowbit_impl(const float* x, const uint8_t* cp, const float* sp, const float* zp,
                         const float* xsum, float* yp, int64_t M, int64_t N, int64_t K, int64_t gs) {
-  const int64_t G = K / gs, row_bytes = K * BITS / 8;
+  constexpr int P = (BITS == 3) ? 8 : 8 / BITS;        // codes per unit
+  constexpr int UB = (BITS == 3) ? 3 : 1;              // bytes per unit
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  const int64_t G = K / gs, JG = gs / P, row_bytes = K * BITS / 8;
+  std::vector<float> xg((size_t)M * K);               // x permuted the same way, per group
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t jj = 0; jj < JG; ++jj)
+        for (int p = 0; p < P; ++p) xg[m * K + g * gs + p * JG + jj] = x[m * K + g * gs + jj * P + p];
   #pragma omp parallel
   {
-    std::vector<float> buf(K);
+    std::vector<float> buf(K);                          // one row's codes as floats, phase-major per group
+    std::vector<uint32_t> wv(JG);
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
-      unpack_row<BITS>(cp + n * row_bytes, buf.data(), K);
+      const uint8_t* b = cp + n * row_bytes;
       const float* s = sp + n * G;
       const float* z = zp + n * G;
+      for (int64_t g = 0; g < G; ++g) {                 // unpack: buf[g*gs + p*JG + jj] = code(P*(g*JG+jj) + p)
+        const uint8_t* bg = b + g * JG * UB;
+        float* dst = buf.data() + g * gs;
+        if (BITS == 3) {
+          for (int64_t jj = 0; jj < JG; ++jj)
+            wv[jj] = (uint32_t)bg[3 * jj] | ((uint32_t)bg[3 * jj + 1] << 8) | ((uint32_t)bg[3 * jj + 2] << 16);
+          for (int p = 0; p < P; ++p) {
+            #pragma omp simd
+            for (int64_t jj = 0; jj < JG; ++jj) dst[p * JG + jj] = (float)((wv[jj] >> (BITS * p)) & MASK);
+          }
+        } else {
+          for (int p = 0; p < P; ++p) {
+            #pragma omp simd
+            for (int64_t jj = 0; jj < JG; ++jj) dst[p * JG + jj] = (float)((bg[jj] >> (BITS * p)) & MASK);
+          }
+        }
+      }
       for (int64_t m = 0; m < M; ++m) {
-        const float* xr = xp + m * K;
-        const float* xs = xsum + m * G;
+        const float* xm = xg.data() + m * K;
         float acc = 0.f;
         for (int64_t g = 0; g < G; ++g)
-          acc += s[g] * (dotf(xr + g * gs, buf.data() + g * gs, gs) - z[g] * xs[g]);
+          acc += s[g] * (dotf(xm + g * gs, buf.data() + g * gs, gs) - z[g] * xsum[m * G + g]);
         yp[m * N + n] = acc;
       }
     }
   }
+  (void)UB;
 }
 
 torch::Tensor lowbit_linear(torch::Tensor x, torch::Tensor codes, int64_t bits, torch::Tensor scale,
