@@ -21,6 +21,7 @@ _LAZY = {
     "resolve_configs": "lessmem.eval.caches",
     "measure_memory": "lessmem.eval.caches",
     "available_peers": "lessmem.eval.caches",
+    "memory_at_length": "lessmem.eval.caches",
     "passkey_prompt": "lessmem.eval.passkey",
     "passkey_eval": "lessmem.eval.passkey",
 }

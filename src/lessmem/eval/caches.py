@@ -241,3 +241,35 @@ def measure_memory(cache) -> dict:
         "k_bits": bits(side["k"]),
         "v_bits": bits(side["v"]),
     }
+
+
+@torch.inference_mode()
+def memory_at_length(spec: CacheSpec, model_config, n_tokens: int, chunk: int = 256,
+                     dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """Bytes a fresh cache holds after ``n_tokens`` random K/V tokens (batch 1).
+
+    Tokens enter through ``cache.update`` in chunks of ``chunk``, layer by layer, as a
+    forward pass would feed them; no model runs, so this is cheap at any length. Byte
+    counts do not depend on the values, only on what the cache keeps (windows, sinks,
+    metadata). For models whose layers all attend fully.
+
+    Example:
+        >>> from lessmem.models import tiny_random
+        >>> m = memory_at_length(resolve_config("dynamic"), tiny_random().config, 100)
+        >>> m["total"] == 2 * 2 * 2 * 100 * 16 * 4   # layers x (K, V) x heads x T x D x fp32
+        True
+    """
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens={n_tokens!r}; allowed: an integer >= 1")
+    cfg = model_config
+    H = cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = spec.make(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for s in range(0, n_tokens, chunk):
+        t = min(chunk, n_tokens - s)
+        for layer in range(cfg.num_hidden_layers):
+            k = torch.randn(1, H, t, D, generator=g).to(dtype)  # [B, H_kv, T, D]
+            v = torch.randn(1, H, t, D, generator=g).to(dtype)
+            cache.update(k, v, layer)
+    return measure_memory(cache)
