@@ -111,6 +111,32 @@ def decode_ratio(model, base, prompt, new_tokens: int, reps: int = 3) -> dict:
             "decode_ratio": statistics.median(q) / statistics.median(f)}
 
 
+@torch.no_grad()
+def decode_breakdown(model, prompt, new_tokens: int) -> dict:
+    """Where decode time goes: seconds inside linear layers (hooks) vs the whole step."""
+    spent = {"linear": 0.0}
+    t_in = {}
+
+    def pre(mod, inp):
+        t_in[id(mod)] = time.perf_counter()
+
+    def post(mod, inp, out):
+        spent["linear"] += time.perf_counter() - t_in.pop(id(mod))
+
+    hs = []
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, nn.Linear)):
+            hs += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    t0 = time.perf_counter()
+    model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0)
+    total = time.perf_counter() - t0
+    for h in hs:
+        h.remove()
+    return {"decode_seconds": total, "linear_seconds": spent["linear"],
+            "linear_share": spent["linear"] / total}
+
+
 def linear_bits(model, report: dict) -> dict:
     """Effective bits per weight over the decoder blocks' linears, and over all linears."""
     blk_bits = blk_n = all_bits = all_n = 0.0
@@ -167,6 +193,7 @@ def bench_model(name: str, args, test_text: str, calib_text: str) -> dict:
     prompt = windows[0, :32][None]
     rows = [{"row": "fp32 reference", **ref, "delta_ppl_pct": 0.0, "bpw_block_linears": 32.0,
              "bpw_all_linears": 32.0, "disk_bytes": fp32_bytes, "decode_ratio": 1.0}]
+    rows[0]["time_breakdown"] = decode_breakdown(base, prompt, args.decode_tokens)
     print(f"[{name}] fp32: ppl {ref['ppl']:.3f} ({ref['tokens']} tokens)", flush=True)
     specs = rows_spec(calib)
     if args.only:
@@ -184,6 +211,7 @@ def bench_model(name: str, args, test_text: str, calib_text: str) -> dict:
             row["decode_ratio"] = None  # decoded to float in memory: runs at fp32 speed
         else:
             row.update(decode_ratio(model, base, prompt, args.decode_tokens))
+            row["time_breakdown"] = decode_breakdown(model, prompt, args.decode_tokens)
         rows.append(row)
         print(f"[{name}] {label}: ppl {row['ppl']:.3f} ({row['delta_ppl_pct']:+.2f}%) kld "
               f"{row['kld']:.4f} bpw {row['bpw_block_linears']:.3f} decode x"

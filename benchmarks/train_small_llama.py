@@ -40,7 +40,8 @@ def main() -> int:
     if path is None:
         raise SystemExit("needs ../shared/data/wikitext-2-raw/wiki.train.head.raw")
     tok = tiny_tokenizer()
-    data = torch.tensor(list(path.read_bytes()), dtype=torch.long)  # byte ids == token ids
+    text = path.read_text(encoding="utf-8")
+    data = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     torch.manual_seed(0)
     model = tiny_random("llama", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=4,
                         intermediate_size=768, vocab_size=259, seed=0).train()
