@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lessmem.eval import CacheSpec, evaluate, measure_memory, resolve_configs
+from lessmem.eval import CacheSpec, evaluate, measure_memory, memory_at_length, resolve_configs
 from lessmem.eval.caches import available_peers, cache_kwarg, lessmem_presets, resolve_config
 from lessmem.models import tiny_random, tiny_tokenizer
 
@@ -73,3 +73,27 @@ def test_fp8_peer_runs_in_protocol(model):
     r = {x["config"]: x for x in evaluate(model, tok, ["hf-fp8"], TEXT, 1, 64, 8)}["hf-fp8"]
     assert r["k_bits"] == pytest.approx(8.0, abs=0.01)
     assert r["compression"] == pytest.approx(2.0, rel=0.01)
+
+
+def test_memory_at_length_counts_what_is_held(model):
+    spec = resolve_config("dynamic")
+    m = memory_at_length(spec, model.config, 300, chunk=64)
+    assert m["total"] == 2 * 2 * 300 * 64 * 4 and m["fp16_equivalent"] == m["total"] // 2
+    with pytest.raises(ValueError, match="n_tokens=0; allowed: an integer >= 1"):
+        memory_at_length(spec, model.config, 0)
+
+
+@pytest.mark.skipif("int4" not in lessmem_presets(), reason="lessmem.kvcache presets not available")
+def test_lessmem_cache_bytes_at_length_shrink(model):
+    m = memory_at_length(resolve_config("int4"), model.config, 2048)
+    assert m["fp16_equivalent"] == 2 * 2 * 2048 * 64 * 2
+    assert m["total"] < m["fp16_equivalent"] / 2.5  # 4-bit codes + metadata + window + sinks
+
+
+def test_expand_kv_keywords():
+    from lessmem.eval.cli import MAIN_PRESETS, expand_kv
+
+    assert expand_kv("peers") == available_peers()
+    assert expand_kv("presets") == list(lessmem_presets())
+    assert expand_kv("int4,int4,hf-fp8") == ["int4", "hf-fp8"]
+    assert set(expand_kv(None)) <= set(MAIN_PRESETS) | set(lessmem_presets())
