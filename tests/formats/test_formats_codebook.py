@@ -194,3 +194,15 @@ def test_errors():
         quantize(torch.randn(2, 256), "lm4", granularity=SuperBlock(256, 32))
     with pytest.raises(ValueError, match="group size 64 does not divide axis -1 of length 48"):
         quantize(torch.randn(2, 48), "lm4")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_fit_codebook_matches_reference_loop(bits):
+    from lessmem.formats._reference import fit_codebook_reference
+
+    v = torch.randn(600, generator=torch.Generator().manual_seed(bits)).pow(3)
+    init = gaussian_codebook(bits)
+    for iters in (1, 2, 5):
+        fast = fit_codebook(v, bits, max_iter=iters, tol=0.0)
+        slow = torch.tensor(fit_codebook_reference(v, init, iters))
+        assert torch.allclose(fast, slow, rtol=1e-6, atol=1e-7), (iters, fast, slow)

@@ -216,3 +216,22 @@ def gaussian_lloyd_max_reference(bits: int, grid: int = 200001, iters: int = 200
             break
         c = new
     return c.tolist()
+
+
+def fit_codebook_reference(values: torch.Tensor, init: torch.Tensor, iters: int) -> list[float]:
+    """``iters`` plain Lloyd steps in Python floats: nearest level by exact argmin (ties ->
+    lower), then each level moves to the mean of its values (empty levels stay), sorted."""
+    from fractions import Fraction
+
+    vals = values.float().reshape(-1).tolist()
+    c = [float(v) for v in init.float().tolist()]
+    for _ in range(iters):
+        sums, counts = [0.0] * len(c), [0] * len(c)
+        levels = [Fraction(v) for v in c]
+        for v in vals:
+            fv = Fraction(v)
+            best = min(range(len(c)), key=lambda i, fv=fv: (abs(fv - levels[i]), i))
+            sums[best] += v
+            counts[best] += 1
+        c = sorted(float(np.float32(s / n)) if n else c[i] for i, (s, n) in enumerate(zip(sums, counts, strict=True)))
+    return c
