@@ -14,7 +14,7 @@ from lessmem.formats._reference import hadamard_reference
 from lessmem.formats.hadamard import hadamard_matrix
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 64, 256, 1024])
+@pytest.mark.parametrize("n", [1, 2, 4, 64, 512])
 def test_fwht_matches_sylvester(n):
     assert torch.equal(fwht(torch.eye(n)), hadamard_reference(n))
     assert torch.equal(hadamard_matrix(n), hadamard_reference(n))
@@ -22,7 +22,7 @@ def test_fwht_matches_sylvester(n):
     assert torch.allclose(fwht(x), x @ hadamard_reference(n).double().T, atol=1e-10)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(n=st.sampled_from([1, 2, 8, 64, 128, 576, 96, 48, 12, 7, 10, 100, 3]),
        seed=st.integers(0, 2**31 - 1))
 def test_rotation_orthogonal_and_invertible(n, seed):
