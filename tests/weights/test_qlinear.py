@@ -82,3 +82,21 @@ def test_quantize_skip_overrides_filter(capsys):
     assert type(model.lm_head) is torch.nn.Linear  # skipped by default
     assert rep["n_quantized"] == 6
     assert "[6/6] rtn" in capsys.readouterr().err  # the per-layer progress
+
+
+def test_int4pack_export_reimport_identical():
+    torch.manual_seed(3)
+    q = QuantLinear.from_linear(torch.nn.Linear(256, 64), 4, 64, False)
+    assert q.layout == "int4pack" and not hasattr(q, "scale")  # only the op's tensors held
+    q2 = QuantLinear.from_quantized(q.quantized_weight())
+    assert torch.equal(q.int4pack, q2.int4pack) and torch.equal(q.int4_sz, q2.int4_sz)
+
+
+def test_memory_held_is_counted_from_tensors():
+    model = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4)
+    fp32 = sum(m.weight.numel() * 4 for n, m in model.named_modules()
+               if type(m) is torch.nn.Linear and n != "lm_head")
+    lessmem.quantize_(model, lessmem.RTNConfig(bits=4, group_size=128), progress=False)
+    held = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    # 4-bit codes + bf16 (scale, zero) per 128 weights = 4.25 bits: 7.5x smaller than fp32
+    assert held == fp32 * 4.25 / 32

@@ -72,7 +72,7 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def scales_and_zeros(scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
     """[N, G] scale and zero point (code units) -> the op's [G, N, 2] bf16 tensor."""
-    s = scale.float()
+    s = scale.float().to(torch.bfloat16).float()  # z from the stored s, so export/reload is exact
     z = s * (8.0 - zero_point.float())
     return torch.stack([s.T, z.T], dim=-1).contiguous().to(torch.bfloat16)
 

@@ -56,7 +56,7 @@ def save_quantized(model, directory, tokenizer=None) -> None:
     modules = {}
     for name, m in qmods.items():
         tensors[f"{name}.qweight"] = pack_bits(m.codes(), m.bits)
-        tensors[f"{name}.scale"] = m.scale.to(torch.float16)
+        tensors[f"{name}.scale"] = m.scales().to(torch.float16)
         tensors[f"{name}.zero_point"] = m.zero().to(torch.uint8)
         if m.bias is not None:
             tensors[f"{name}.bias"] = m.bias.data

@@ -91,9 +91,8 @@ class QuantLinear(nn.Module):
         elif self.bits == 4 and i4.supported(n, k, self.group_size):
             self.layout = "int4pack"
             self.register_buffer("int4pack", i4.pack_int4(u))
+            # only the op's tensors are held; scale and zero point are derived back on export
             self.register_buffer("int4_sz", i4.scales_and_zeros(scale, zero))
-            self.register_buffer("scale", scale)
-            self.register_buffer("zero_point", zero)
         else:
             self.layout = "packed"
             self.register_buffer("qweight", pack_bits(u, self.bits))
@@ -110,13 +109,24 @@ class QuantLinear(nn.Module):
             return i4.unpack_int4(self.int4pack, n, k)
         return unpack_bits(self.qweight, self.bits, n * k).view(n, k)
 
+    def scales(self) -> torch.Tensor:
+        """fp16 scale [N, G] (int4pack: the bf16 scale the op uses, exactly)."""
+        if self.layout == "int4pack":
+            return self.int4_sz[..., 0].T.to(torch.float16).contiguous()
+        return self.scale
+
     def zero(self) -> torch.Tensor:
+        """uint8 zero point [N, G] in code units (int4pack: from z = s·(8 − zp))."""
         if self.layout == "int8":
             return torch.full_like(self.scale, 128, dtype=torch.uint8)
+        if self.layout == "int4pack":
+            sz = self.int4_sz.float()
+            zp = 8.0 - sz[..., 1] / torch.where(sz[..., 0] == 0, 1.0, sz[..., 0])
+            return torch.round(zp).clamp(0, 15).T.to(torch.uint8).contiguous()
         return self.zero_point
 
     def quantized_weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.codes(), self.scale, self.zero(), self.bits, self.group_size,
+        return QuantizedWeight(self.codes(), self.scales(), self.zero(), self.bits, self.group_size,
                                self.symmetric)
 
     def dequantized_weight(self) -> torch.Tensor:
