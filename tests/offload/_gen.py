@@ -40,3 +40,23 @@ def decode(m, cache, logits, steps: int, check=None) -> tuple[list[int], list[to
             if check is not None:
                 check()
     return toks, all_logits
+
+
+def run_saved_prompt(spec, steps: int = 8) -> dict:
+    """Fill a tiered cache from ``prompt()`` (or restore it from ``spec``'s tiers), decode
+    ``steps`` tokens; what happened, for the restart and shared-prefix tests."""
+    from lessmem.kvcache.tiered import TieredKVCache
+
+    m = model()
+    calls = {"n": 0}
+    m.register_forward_pre_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+    cache = TieredKVCache(m.config, CFG, tiers=spec, block_tokens=32, device_budget=20000,
+                          model_id="tiny-llama-seed1")
+    logits = cache.prefill(m, prompt())
+    prefill_calls = calls["n"]
+    toks, lg = decode(m, cache, logits, steps)
+    out = {"logits": torch.stack(lg), "toks": toks, "prefill_calls": prefill_calls,
+           "skipped": cache.prefill_skipped, "stats": cache.offload_stats(),
+           "blocks": sum(len(la.block_keys) for la in cache.tiered), "layers": len(cache.tiered)}
+    cache.close()
+    return out

@@ -74,35 +74,29 @@ def test_device_budget_is_never_exceeded(tmp_path):
     cache.close()
 
 
+def _first_process(spec, out):
+    subprocess.run([sys.executable, str(HERE / "_restart.py"), spec, str(out)], check=True)
+    return torch.load(out, weights_only=False)
+
+
 def test_restart_skips_prefill_and_gives_equal_logits(tmp_path):
     spec = f"host,disk:{tmp_path / 'store'}"
-    first = tmp_path / "first.pt"
-    subprocess.run([sys.executable, str(HERE / "_restart.py"), spec, "save", str(first)], check=True)
-    a = torch.load(first, weights_only=False)
+    a = _first_process(spec, tmp_path / "first.pt")  # generate, then that process exits
     assert a["skipped"] == 0 and a["prefill_calls"] > 0
-    second = tmp_path / "second.pt"
-    subprocess.run([sys.executable, str(HERE / "_restart.py"), spec, "restore", str(second)], check=True)
-    b = torch.load(second, weights_only=False)
+    b = _gen.run_saved_prompt(spec)  # reopen the disk store in this process
     assert b["skipped"] == 1 and b["prefill_calls"] == 0  # no forward pass for the prompt
     assert b["toks"] == a["toks"] and torch.equal(b["logits"], a["logits"])
-    assert b["stats"]["disk"]["hits"] > 0
+    assert b["stats"]["disk"]["hits"] >= b["blocks"] // 2
 
 
 def test_shared_prefix_through_redis(tmp_path, redis_server):
     spec = f"host,{redis_server.url}"
-    first = tmp_path / "a.pt"
-    subprocess.run([sys.executable, str(HERE / "_restart.py"), spec, "save", str(first)], check=True)
-    a = torch.load(first, weights_only=False)
-    m = _gen.model()
-    cache = TieredKVCache(m.config, _gen.CFG, tiers=spec, block_tokens=32, model_id="tiny-llama-seed1")
-    logits = cache.prefill(m, _gen.prompt())
-    toks, lg = _gen.decode(m, cache, logits, 8)
-    st = cache.offload_stats()
-    n_blocks = sum(len(la.block_keys) for la in cache.tiered)
-    assert cache.prefill_skipped == 1 and toks == a["toks"] and torch.equal(torch.stack(lg), a["logits"])
+    a = _first_process(spec, tmp_path / "a.pt")
+    b = _gen.run_saved_prompt(spec)
+    assert b["skipped"] == 1 and b["prefill_calls"] == 0
+    assert b["toks"] == a["toks"] and torch.equal(b["logits"], a["logits"])
     # the prompt's blocks (4 per layer) and the state record came from the other process
-    assert st["remote"]["hits"] >= 4 * len(cache.tiered) + 1 and n_blocks >= 4 * len(cache.tiered)
-    cache.close()
+    assert b["stats"]["remote"]["hits"] >= 4 * b["layers"] + 1
 
 
 def test_redis_down_keeps_working(tmp_path, dead_redis_url):

@@ -92,6 +92,8 @@ class TieredKVLayer(QuantizedKVLayer):
         self.part_bytes: dict[str, int] = {}
         self.pending: dict[str, torch.Tensor] | None = None  # the partly filled block
         self.n_pending = 0
+        self._tok_bytes = None
+        self._sum = (0, 0)  # (len(block_bytes), sum(block_bytes)) cached
 
     # groups of tokens per row of each part (scales/zero points of per-channel keys)
     def _tg(self, name: str) -> int:
@@ -124,8 +126,10 @@ class TieredKVLayer(QuantizedKVLayer):
         """Full-precision bytes one more token adds to this layer (keys + values)."""
         if not self.is_initialized:
             return 0
-        elem = torch.empty(0, dtype=self.store_dtype).element_size()
-        return 2 * self.batch_size * self.num_heads * self.head_dim * elem
+        if self._tok_bytes is None:
+            elem = torch.empty(0, dtype=self.store_dtype).element_size()
+            self._tok_bytes = 2 * self.batch_size * self.num_heads * self.head_dim * elem
+        return self._tok_bytes
 
     def read_history(self) -> QuantKV | None:
         h = self.owner._history_for(self)
@@ -135,13 +139,22 @@ class TieredKVLayer(QuantizedKVLayer):
         return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
                        _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
 
+    def _pending_bytes(self) -> int:
+        return sum(_nb(t) for t in self.pending.values()) if self.pending else 0
+
     def history_bytes(self) -> int:
-        return sum(self.block_bytes) + sum(_nb(t) for t in (self.pending or {}).values())
+        if self._sum[0] != len(self.block_bytes):
+            self._sum = (len(self.block_bytes), sum(self.block_bytes))
+        return self._sum[1] + self._pending_bytes()
 
     def fp_bytes(self) -> int:
         """Bytes of what always stays on the device: sinks, window, partial block."""
-        parts = [*(self.sinks or ()), *(self.window or ()), self.keys, self.values]
-        return sum(_nb(t) for t in parts) + sum(_nb(t) for t in (self.pending or {}).values())
+        if not self.is_initialized:
+            return 0
+        if not self.quantized:
+            return _nb(self.keys) + _nb(self.values)
+        tokens = self.sinks[0].shape[2] + self.window[0].shape[2]
+        return tokens * self.token_bytes() + self._pending_bytes()
 
     def blocks(self):
         from .block import KVBlock
@@ -353,21 +366,23 @@ class TieredKVCache(KVCache):
         biggest = max((la.history_bytes() for la in self.tiered), default=0)
         return biggest * (2 if self.prefetch else 1)
 
-    def _rebalance(self) -> None:
+    def _rebalance(self, fp: int | None = None) -> None:
         if self.device_budget is None:
             return
         # what the layers still to run in this forward add to their windows
         growth = self._chunk * sum(la.token_bytes() for la in self.layers
                                    if isinstance(la, QuantizedKVLayer))
-        room = self.device_budget - self.fp_bytes() - growth - self._reserve()
+        fp = self.fp_bytes() if fp is None else fp
+        room = self.device_budget - fp - growth - self._reserve()
         if room < 0:
             self.over_budget += 1
         self.device_tier.resize(max(0, room))
 
-    def device_bytes(self) -> int:
+    def device_bytes(self, fp: int | None = None) -> int:
         """Bytes held on the device now (see module doc)."""
         inflight = sum(nb for _, _, nb in self._inflight.values())
-        return self.device_tier.nbytes + self.fp_bytes() + self._staged + inflight
+        fp = self.fp_bytes() if fp is None else fp
+        return self.device_tier.nbytes + fp + self._staged + inflight
 
     def _fetch(self, key: str) -> dict:
         for _ in range(2):  # a block may be moving between tiers: look twice
@@ -401,7 +416,8 @@ class TieredKVCache(KVCache):
                 got[1].future.result()
             hist = self._gather(layer, list(layer.block_keys), layer.pending)
         self._staged = sum(_nb(t) for t in (hist or {}).values())
-        self._rebalance()
+        fp = self.fp_bytes()
+        self._rebalance(fp)
         if self.prefetch and len(self.tiered) > 1:
             nxt = self.tiered[(self.tiered.index(layer) + 1) % len(self.tiered)]
             if nxt.block_keys:
@@ -415,7 +431,7 @@ class TieredKVCache(KVCache):
                 self._inflight[nxt.layer_idx] = ((len(nxt.block_keys), nxt.n_pending),
                                                  PrefetchHandle(fut, self.prefetch_stats, self._plock),
                                                  nxt.history_bytes())
-        self.device_peak = max(self.device_peak, self.device_bytes())
+        self.device_peak = max(self.device_peak, self.device_bytes(fp))
         return hist
 
     # ---- prefix persistence -----------------------------------------------------------------
