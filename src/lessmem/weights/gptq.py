@@ -74,10 +74,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
         W, H = W[:, perm], H[perm][:, perm]
     U = _inverse_cholesky(H, damp)
     codes = torch.empty(n, k, dtype=torch.uint8)  # in permuted column order
-    bs = max(block_size, gs) if not act_order else block_size
     dynamic = not (static_groups or group_size is None)
+    bs = block_size
     if dynamic:
-        bs = (bs + gs - 1) // gs * gs  # a group never straddles two blocks
+        bs = (max(block_size, gs) + gs - 1) // gs * gs  # a group never straddles two blocks
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
         W1 = W[:, i1:i2].clone()
