@@ -214,6 +214,38 @@ class KVConfig:
         vb = sum(v.effective_bits(head_dim) for _, v in pairs) / len(pairs)
         return kb, vb
 
+    def to_plan(self, name: str = "lessmem", full_bytes: float = 2.0):
+        """The planner's torch-free description (``lessmem.plan.kv.KVPrecision``).
+
+        ``full_bytes``: bytes per full-precision element (2 for fp16 windows; the model's
+        element size for ``window_dtype="model"``). Per-layer overrides are not
+        representable there and raise ValueError.
+
+        Example:
+            >>> from lessmem.kvcache import PRESETS
+            >>> p = PRESETS["kivi-4"].to_plan("kivi-4")
+            >>> p.k_group_tokens, p.v_group_tokens, p.window, p.block
+            (32, 1, 128, 32)
+        """
+        from ..plan.kv import KVPrecision
+
+        if self.layer_overrides:
+            raise ValueError("to_plan: layer_overrides cannot be described to the planner; "
+                             "allowed: configs without layer_overrides")
+        if not self.quantized:
+            return KVPrecision(name, 8 * full_bytes, 8 * full_bytes, full_bytes=full_bytes,
+                               quality="reference")
+
+        def side(t: KVTensorConfig):
+            tg, dg = t.group_shape(10**9)
+            return (t.bits, tg, None if dg == 10**9 else dg, 2.0, 1.0 if t.has_zero_point else 0.0)
+
+        kb, ktg, kdg, ks, kz = side(self.keys)
+        vb, vtg, vdg, vs, vz = side(self.values)
+        return KVPrecision(name, kb, vb, ktg, kdg, vtg, vdg, ks, vs, kz, vz, self.window, self.sinks,
+                           self.block_size, full_bytes, len(set(self.skip_layers)),
+                           self.rotate_keys or self.rotate_values)
+
     def replace(self, **changes) -> KVConfig:
         return replace(self, **changes)
 

@@ -39,7 +39,7 @@ PRESETS: dict[str, KVConfig] = {
     # tuned on wiki.train (see benchmarks/results/kv_tuning.json)
     "best-4": KVConfig(keys=_t("uint", 4, PerGroup(64, axis=-2)), values=_t("uint", 4),
                        rotate_keys=True, block_size=64, window=96),
-    "best-2": KVConfig(keys=_t("uint", 3, PerGroup(64, axis=-2)), values=_t("uint", 2, PerGroup(32)),
+    "best-2": KVConfig(keys=_t("uint", 3, PerGroup(64, axis=-2)), values=_t("uint", 2),
                        rotate_keys=True, rotate_values=True, block_size=64, window=96),
 }
 
@@ -52,7 +52,7 @@ DESCRIPTIONS: dict[str, str] = {
     "kivi-2": "KIVI: int2 keys per channel (32-token groups), values per token, no sinks",
     "int4-rot": "int4 per token with Hadamard-rotated keys and values",
     "best-4": "best 4-bit: int4 keys per channel (64 tokens) rotated, int4 values per token",
-    "best-2": "best <=3-bit: 3-bit rotated per-channel keys, 2-bit rotated values (groups of 32)",
+    "best-2": "best <=3-bit: 3-bit rotated per-channel keys, 2-bit rotated values per token",
 }
 
 

@@ -1,0 +1,94 @@
+"""Honest memory accounting (tensors held vs the planner), append-only blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvhelpers import left_padded_ids, run_chunks
+from transformers import LlamaConfig
+
+from lessmem.kvcache import PRESETS, KVCache
+from lessmem.kvcache.block import KVBlock
+from lessmem.plan.kv import kv_bytes
+
+
+def _fill(cache, n_tokens, layers, kv_heads=3, head_dim=64, chunks=(1000, 1, 1, 7)):
+    g = torch.Generator().manual_seed(0)
+    sizes = [c for c in chunks if c and c < n_tokens // 2]
+    sizes.append(n_tokens - sum(sizes))
+    for n in sizes:
+        for i in range(layers):
+            k = torch.randn(1, kv_heads, n, head_dim, generator=g)
+            cache.update(k, torch.randn(1, kv_heads, n, head_dim, generator=g), i)
+
+
+def _smollm_config():
+    return LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                       num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
+
+
+class _Dims:
+    layers, kv_heads, head_dim = 30, 3, 64
+
+
+@pytest.mark.parametrize("preset", ["best-4", "kivi-2", "int8", "best-2"])
+def test_planner_matches_measured_bytes_smollm2(preset):
+    cache = KVCache(_smollm_config(), preset)
+    _fill(cache, 4096, 30)
+    mem = cache.memory()
+    plan = kv_bytes(_Dims(), 4096, 1, PRESETS[preset].to_plan(preset))
+    assert abs(plan["total"] - mem["total"]) <= 0.02 * mem["total"]
+    assert mem["fp16_equivalent"] == plan["fp16"]
+
+
+def test_memory_is_summed_from_tensors_and_bits_match_config():
+    cache = KVCache(_smollm_config(), "best-4")
+    _fill(cache, 4096, 30)
+    mem = cache.memory()
+    held = 0
+    for layer in cache.layers:
+        held += sum(t.numel() * t.element_size() for t in (*layer.sinks, *layer.window))
+        held += sum(t.numel() * t.element_size() for t in layer.history.values())
+    assert mem["total"] == held
+    assert mem["total"] == sum(mem[k] for k in ("codes", "scales", "zero_points", "window", "sinks"))
+    kb, vb = PRESETS["best-4"].effective_bits(64)
+    assert mem["k_bits"] == pytest.approx(kb) and mem["v_bits"] == pytest.approx(vb)
+    assert mem["k_bits"] <= 4.6 and mem["compression"] >= 3.3
+    assert mem["fp16_equivalent"] == 4096 * 30 * 3 * 64 * 2 * 2
+
+
+def test_fp16_preset_holds_model_dtype():
+    cache = KVCache(_smollm_config(), "fp16")
+    _fill(cache, 200, 30)
+    mem = cache.memory()
+    assert mem["codes"] == 0 and mem["window"] == 200 * 30 * 3 * 64 * 2 * 4  # fp32 inputs
+    assert mem["fp16_equivalent"] == mem["window"] // 2
+
+
+def test_blocks_are_append_only(llama):
+    ids, _ = left_padded_ids(1, 400, [0], seed=8)
+    cfg = PRESETS["kivi-2"].replace(window=16)
+    cache = KVCache(llama.config, cfg)
+    run_chunks(llama, ids[:, :150], cache, [100, 1, 1])
+    layer = cache.layers[1]
+    first = [{k: v.clone() for k, v in b.tensors().items()} for b in layer.blocks()]
+    assert len(first) == (150 - 16) // 32
+    run_chunks(llama, ids[:, 150:], cache, [1, 5, 100])
+    later = layer.blocks()
+    assert len(later) > len(first)
+    for old, new in zip(first, later[: len(first)], strict=True):
+        assert old.keys() == new.tensors().keys()
+        assert all(torch.equal(old[k], new.tensors()[k]) for k in old)
+    starts = [b.start for b in later]
+    assert starts == [cfg.sinks + 32 * i for i in range(len(later))]
+
+
+def test_block_bytes_round_trip(llama):
+    ids, _ = left_padded_ids(1, 120, [0], seed=9)
+    cache = KVCache(llama.config, PRESETS["best-4"].replace(window=16))
+    run_chunks(llama, ids, cache, [120])
+    (block,) = cache.layers[0].blocks()
+    again = KVBlock.from_bytes(block.to_bytes())
+    assert again.start == block.start == 4 and again.n_tokens == 64
+    assert again.nbytes == block.nbytes > 0
+    assert all(torch.equal(again.tensors()[k], v) for k, v in block.tensors().items())
