@@ -11,13 +11,15 @@ threads (this machine is shared, so both are given), plus achieved GB/s of weigh
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import header, parser, timeit, write_result  # noqa: E402
+from common import header, parser, write_result  # noqa: E402
 
 from lessmem.weights.qlinear import QuantLinear  # noqa: E402
 
@@ -39,9 +41,23 @@ def check(q: QuantLinear, lin: torch.nn.Linear) -> float:
     return err
 
 
+def interleaved(fns: dict, x: torch.Tensor, repeat: int, warmup: int = 3) -> dict:
+    """Median seconds per callable, timed round-robin so a noisy neighbour hits all alike."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f(x)
+    ts = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f(x)
+            ts[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--repeat", type=int, default=50)
     args = p.parse_args()
     shapes = [(256, 512)] if args.quick else [(576, 1536), (4096, 4096), (4096, 11008)]
     repeat = 5 if args.quick else args.repeat
@@ -61,11 +77,12 @@ def main() -> int:
         for threads in sorted({1, all_threads}):
             torch.set_num_threads(threads)
             with torch.no_grad():
-                t_fp32 = timeit(lambda lin=lin, x=x: lin(x), repeat=repeat, warmup=3)
+                times = interleaved({"fp32": lin, **qs}, x, repeat)
+                t_fp32 = times["fp32"]
                 row = {"in_features": k, "out_features": n, "threads": threads,
                        "fp32_ms": t_fp32 * 1e3, "fp32_GBps": fp32_bytes / t_fp32 / 1e9}
                 for name, q in qs.items():
-                    t = timeit(lambda q=q, x=x: q(x), repeat=repeat, warmup=3)
+                    t = times[name]
                     row[f"{name}_ms"] = t * 1e3
                     row[f"{name}_speedup"] = t_fp32 / t
                     row[f"{name}_GBps"] = q.nbytes / t / 1e9
