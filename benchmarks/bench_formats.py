@@ -15,6 +15,7 @@ shared, and the least-disturbed run is the best estimate of what the code costs.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -127,7 +128,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     n = 512 if args.quick else 4096
     repeat, warmup = (5, 1) if args.quick else (3, 1)
-    info = header(shape=[n, n], dtype="float32", repeat=repeat)
+    load = [round(v, 1) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    info = header(shape=[n, n], dtype="float32", repeat=repeat, timing="min", loadavg=load)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, n, generator=g)
     small = torch.randn(16, 256, generator=g) * torch.logspace(-2, 1, 256)
