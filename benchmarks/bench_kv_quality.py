@@ -5,7 +5,8 @@ Protocol (lessmem.eval.perplexity): WikiText-2 raw test (../shared/data), the fi
 every token after the prefill scored against the unquantized DynamicCache run in
 lockstep. Configs: DynamicCache, transformers' QuantizedCache (quanto int4 / int2,
 its fp8 backend), and every lessmem preset. Also the KV bytes each cache holds at 4096
-tokens (window and sinks included), and the issue's targets checked against the rows.
+tokens (window and sinks included), passkey retrieval at 4096 tokens for the 4-bit
+presets next to DynamicCache, and the issue's targets checked against the rows.
 
     python benchmarks/bench_kv_quality.py            # the full table (long on a busy CPU)
     python benchmarks/bench_kv_quality.py --quick    # 1 window of 128 tokens, 2 configs
@@ -42,7 +43,7 @@ def default_configs() -> list[str]:
     return ["dynamic", *peers, *lessmem_presets()]
 
 
-def check_targets(rows: dict, mem4k: dict) -> list[dict]:
+def check_targets(rows: dict, mem4k: dict, passkey: dict | None = None) -> list[dict]:
     out = []
     for name, max_delta, max_bits in TARGETS:
         r = rows.get(name)
@@ -56,6 +57,12 @@ def check_targets(rows: dict, mem4k: dict) -> list[dict]:
         c = mem4k["best-4"]["compression"]
         out.append({"config": "best-4", "compression_at_4096": c, "min": MIN_COMPRESSION_4K_BEST4,
                     "pass": bool(c >= MIN_COMPRESSION_4K_BEST4)})
+    if passkey:
+        base = passkey["dynamic"]["found"]
+        for name, r in passkey.items():
+            if name in ("best-4",):
+                out.append({"config": name, "passkey_found": r["found"], "dynamic_found": base,
+                            "pass": bool(r["found"] >= base)})
     if "fp16" in rows:
         r = rows["fp16"]
         out.append({"config": "fp16", "kld_vs_dynamic": r["kld"], "top1": r["top1"],
@@ -74,11 +81,15 @@ def main(argv=None) -> int:
     p.add_argument("--budget-min", type=float, default=None,
                    help="stop after the window during which this many minutes passed")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--passkey-kv", default="best-4,int4",
+                   help="configs for the passkey test next to DynamicCache ('' = skip)")
+    p.add_argument("--passkey-len", type=int, default=4096, help="passkey prompt length (default 4096)")
+    p.add_argument("--passkey-depths", default="0.1,0.5,0.9")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     if args.quick:
-        args.windows, args.window_len = 1, 128
+        args.windows, args.window_len, args.passkey_len, args.passkey_depths = 1, 128, 256, "0.5"
         presets = lessmem_presets()
         configs = ["dynamic", "int4" if "int4" in presets else "hf-fp8"]
     else:
@@ -120,8 +131,21 @@ def main(argv=None) -> int:
                             "k_bits": m.get("k_bits"), "v_bits": m.get("v_bits")}
     for name, m in mem4k.items():
         print(f"  {name:<12} at {n4k} tokens: {m['kv_bytes'] / 2**20:8.2f} MiB, {m['compression']:.2f}x vs fp16")
+    pk_configs = [c for c in args.passkey_kv.split(",") if c and c in configs] if args.passkey_kv else []
+    if args.quick:
+        pk_configs = configs[1:]
+    passkey = None
+    if pk_configs:
+        from lessmem.eval.passkey import passkey_eval
+
+        t2 = time.perf_counter()
+        depths = [float(d) for d in args.passkey_depths.split(",")]
+        passkey = passkey_eval(model, tok, pk_configs, (args.passkey_len,), depths)
+        for name, r in passkey.items():
+            print(f"  passkey {name:<12} {r['found']}/{r['trials']} at {args.passkey_len} tokens")
+        passkey_s = time.perf_counter() - t2
     by_name = {r["config"]: r for r in rows}
-    checks = check_targets(by_name, mem4k if n4k == 4096 else {})
+    checks = check_targets(by_name, mem4k if n4k == 4096 else {}, passkey)
     for c in checks:
         print(f"  target {c['config']}: {'PASS' if c['pass'] else 'FAIL'} {c}")
     write_result("bench_kv_quality", {
@@ -133,6 +157,10 @@ def main(argv=None) -> int:
         "kv_at_tokens": n4k,
         "kv_at_length": mem4k,
         "targets": checks,
+        "passkey": None if passkey is None else {
+            "length": args.passkey_len, "depths": args.passkey_depths, "seconds": passkey_s,
+            "results": {k: {kk: v[kk] for kk in ("found", "trials", "accuracy", "misses")}
+                        for k, v in passkey.items()}},
     }, args.out, args.quick)
     return 0
 
