@@ -125,3 +125,10 @@ def test_text_too_short_and_bad_configs(model, tok):
     with pytest.raises(ValueError, match="a string or a 1-D tensor"):
         make_windows(tok, 123, 1, 32)
     check_protocol(1, 8, 1)  # the smallest allowed protocol passes
+
+
+def test_windows_from_a_prefix_equal_full_tokenization():
+    tok = tiny_tokenizer()
+    full = torch.tensor(tok(TEXT, add_special_tokens=False)["input_ids"])
+    w = make_windows(tok, TEXT, 3, 100)
+    assert torch.equal(w.reshape(-1), full[:300])

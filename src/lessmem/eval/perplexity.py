@@ -72,7 +72,8 @@ def make_windows(tok, text, windows: int, window_len: int) -> torch.Tensor:
         n_chars = max(need * 8, 4096)  # most tokenizers average < 8 chars per token
         while True:
             ids = torch.tensor(tok(text[:n_chars], add_special_tokens=False)["input_ids"], dtype=torch.long)
-            if ids.numel() > need or n_chars >= len(text):
+            # a margin, so the cut through the text cannot change the tokens we keep
+            if ids.numel() > need + 64 or n_chars >= len(text):
                 break
             n_chars *= 2
     if ids.numel() < need:
