@@ -86,7 +86,7 @@ class QuantKV:
 
 
 def _module():
-    return load_cpp("lessmem_qattn", SOURCE, functions=["qattn_forward"])
+    return load_cpp("lessmem_qattn", SOURCE, functions=["qattn_forward"], extra_cflags=["-fno-math-errno"])
 
 
 def cpp_available() -> bool:

@@ -31,14 +31,20 @@ struct QSide {
 };
 
 inline void unpack_row(const uint8_t* p, int bits, int D, float* out) {
-  if (bits == 8) { for (int d = 0; d < D; ++d) out[d] = (float)p[d]; return; }
+  if (bits == 8) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) out[d] = (float)p[d];
+    return;
+  }
   if (bits == 4) {
     const int h = D / 2;
+#pragma omp simd
     for (int j = 0; j < h; ++j) { out[j] = (float)(p[j] & 15); out[j + h] = (float)(p[j] >> 4); }
     return;
   }
   if (bits == 2) {
     const int q = D / 4;
+#pragma omp simd
     for (int j = 0; j < q; ++j) {
       const uint8_t b = p[j];
       out[j] = (float)(b & 3); out[j + q] = (float)((b >> 2) & 3);
@@ -55,27 +61,43 @@ inline void unpack_row(const uint8_t* p, int bits, int D, float* out) {
   }
 }
 
-// Decoder of one (b, h) stream: caches the per-channel scale/zero of the current group.
+// Decoder of one (b, h) stream. Per-channel groups (tg > 1): the group's scales and
+// zero points are expanded to D floats once per tg tokens. Per-token groups (tg == 1):
+// each token's D/dg scales are applied group by group (x = s·c − s·z, one FMA).
 struct RowDecoder {
   const QSide& q; int D; int64_t bh; int64_t T_scale_rows;
   std::vector<float> s, z, c; int64_t cur = -1;
   RowDecoder(const QSide& q_, int D_, int64_t bh_, int64_t rows)
       : q(q_), D(D_), bh(bh_), T_scale_rows(rows), s(D_), z(D_), c(D_) {}
-  inline void decode(int64_t t, int64_t T, float* out) {
+  inline void decode(int64_t t, int64_t T, float* __restrict__ out) {
+    float* __restrict__ cp = c.data();
+    unpack_row(q.codes + (bh * T + t) * q.rb, q.bits, D, cp);
+    if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
     const int64_t g = t / q.tg;
-    if (g != cur) {
-      const at::Half* sp = q.scale + (bh * T_scale_rows + g) * q.srow;
-      const uint8_t* zpp = q.zp ? q.zp + (bh * T_scale_rows + g) * q.srow : nullptr;
-      for (int d = 0; d < D; ++d) {
-        const int k = d / q.dg;
-        s[d] = (float)sp[k];
-        z[d] = zpp ? (float)zpp[k] : q.zc;
+    const int ng = D / q.dg;
+    const at::Half* sp = q.scale + (bh * T_scale_rows + g) * q.srow;
+    const uint8_t* zpp = q.zp ? q.zp + (bh * T_scale_rows + g) * q.srow : nullptr;
+    if (q.tg > 1) {
+      if (g != cur) {
+        float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
+        for (int k = 0; k < ng; ++k) {
+          const float a = (float)sp[k], b = zpp ? (float)zpp[k] : q.zc;
+          for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
+        }
+        cur = g;
       }
-      cur = g;
+      const float* __restrict__ sv = s.data(); const float* __restrict__ zv = z.data();
+#pragma omp simd
+      for (int d = 0; d < D; ++d) out[d] = sv[d] * cp[d] - zv[d];
+      return;
     }
-    unpack_row(q.codes + (bh * T + t) * q.rb, q.bits, D, c.data());
-    if (q.lut) { for (int d = 0; d < D; ++d) c[d] = q.lut[(int)c[d]]; }
-    for (int d = 0; d < D; ++d) out[d] = s[d] * (c[d] - z[d]);
+    for (int k = 0; k < ng; ++k) {
+      const float a = (float)sp[k];
+      const float az = a * (zpp ? (float)zpp[k] : q.zc);
+      const int d0 = k * q.dg, d1 = d0 + q.dg;
+#pragma omp simd
+      for (int d = d0; d < d1; ++d) out[d] = a * cp[d] - az;
+    }
   }
 };
 
@@ -130,7 +152,9 @@ std::vector<torch::Tensor> qattn_forward(
           const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
           const float* qr = qp + ((b * Hq + hq) * Tq + tq) * D;
           float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * kf[d];
+          const float* __restrict__ kp = kf.data();
+#pragma omp simd reduction(+:s)
+          for (int64_t d = 0; d < D; ++d) s += qr[d] * kp[d];
           if (mp) s += mp[(b * Tq + tq) * T + ts + i];
           sc[r * TILE + i] = s;
         }
@@ -152,8 +176,10 @@ std::vector<torch::Tensor> qattn_forward(
         for (int64_t r = 0; r < rows; ++r) {
           const float p = sc[r * TILE + i];
           if (p == 0.f) continue;
-          float* a = acc + r * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vf[d];
+          float* __restrict__ a = acc + r * D;
+          const float* __restrict__ vp = vf.data();
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vp[d];
         }
       }
     }

@@ -58,6 +58,7 @@ from ..offload import (
     TierSpec,
     TierStack,
     block_nbytes,
+    build_tiers,
     layer_key,
     parse_bytes,
     parse_offload_spec,
@@ -193,22 +194,10 @@ def cache_kwargs(model, cache) -> dict:
 
 
 def _tiers_from(tiers) -> list[Tier]:
-    if tiers is None:
-        tiers = "host"
-    if isinstance(tiers, str):
-        tiers = parse_offload_spec(tiers)
-    out = []
-    for t in tiers:
-        if isinstance(t, TierSpec):
-            if t.kind == "device":
-                raise ValueError("the device tier is implicit; set its size with device_budget")
-            t = t.build()
-        if not isinstance(t, Tier):
-            raise ValueError(f"tier {t!r}; allowed: Tier objects, TierSpecs or a spec string")
-        out.append(t)
-    if not out:
-        raise ValueError("tiers is empty; allowed: at least one of host, disk:PATH, redis://...")
-    return out
+    specs = parse_offload_spec(tiers) if isinstance(tiers, str) else tiers
+    if isinstance(specs, list) and any(isinstance(t, TierSpec) and t.kind == "device" for t in specs):
+        raise ValueError("the device tier is implicit; set its size with device_budget")
+    return build_tiers("host" if specs is None else specs)
 
 
 class TieredKVCache(KVCache):
