@@ -41,3 +41,16 @@ def test_tierspec_validation():
         TierSpec("tape")
     with pytest.raises(ValueError, match="needs a path"):
         TierSpec("disk")
+
+
+def test_build_tiers(tmp_path):
+    from lessmem.offload import build_tiers
+
+    ts = build_tiers(f"host@1KiB,disk:{tmp_path}")
+    assert [t.kind for t in ts] == ["host", "disk"] and ts[0].capacity == 1024
+    assert build_tiers([TierSpec("host")])[0].capacity is None
+    assert build_tiers(HostTier(5))[0].capacity == 5
+    with pytest.raises(ValueError, match="no tiers"):
+        build_tiers([])
+    with pytest.raises(ValueError, match="allowed: Tier objects"):
+        build_tiers([3])

@@ -7,7 +7,8 @@
 - :class:`TierStack`: placement, write-back/write-through, demotion, prefetch lateness.
 - :mod:`~lessmem.offload.serialize`: block <-> checksummed bytes (bit-exact).
 - :mod:`~lessmem.offload.hashing`: deterministic chained prefix keys.
-- :func:`parse_bytes`, :func:`parse_offload_spec`: what ``--kv-budget``/``--offload`` take.
+- :func:`parse_bytes`, :func:`parse_offload_spec`, :func:`build_tiers`: what
+  ``--kv-budget``/``--offload`` take, and the tiers they name.
 
 This layer imports only ``lessmem.formats`` (and torch, numpy, optionally redis).
 
@@ -25,7 +26,7 @@ from .hashing import layer_key, namespace, prefix_hashes, sequence_hash
 from .memory import DeviceTier, HostTier, MemoryTier, move_block
 from .remote import RedisTier
 from .serialize import CorruptBlockError, block_nbytes, pack_block, unpack_block
-from .spec import TierSpec, parse_bytes, parse_offload_spec
+from .spec import TierSpec, build_tiers, parse_bytes, parse_offload_spec
 from .stack import WRITE_POLICIES, PrefetchHandle, TierStack
 from .tier import Tier, TierFullError, TierStats
 
@@ -33,5 +34,5 @@ __all__ = [
     "Tier", "TierStats", "TierFullError", "MemoryTier", "DeviceTier", "HostTier", "DiskTier",
     "RedisTier", "TierStack", "PrefetchHandle", "WRITE_POLICIES", "pack_block", "unpack_block",
     "block_nbytes", "CorruptBlockError", "prefix_hashes", "sequence_hash", "layer_key", "namespace",
-    "parse_bytes", "parse_offload_spec", "TierSpec", "move_block",
+    "parse_bytes", "parse_offload_spec", "build_tiers", "TierSpec", "move_block",
 ]

@@ -92,6 +92,32 @@ def _split_size(entry: str) -> tuple[str, int | None]:
     return entry, None
 
 
+def build_tiers(tiers) -> list:
+    """Tier objects from a spec string, or a list of :class:`TierSpec` / Tier objects.
+
+    Example:
+        >>> from lessmem.offload import build_tiers
+        >>> [type(t).__name__ for t in build_tiers("host@1MiB")]
+        ['HostTier']
+    """
+    from .tier import Tier
+
+    if isinstance(tiers, str):
+        tiers = parse_offload_spec(tiers)
+    if isinstance(tiers, (Tier, TierSpec)):
+        tiers = [tiers]
+    out = []
+    for t in tiers:
+        if isinstance(t, TierSpec):
+            t = t.build()
+        if not isinstance(t, Tier):
+            raise ValueError(f"tier {t!r}; allowed: Tier objects, TierSpecs or a spec string")
+        out.append(t)
+    if not out:
+        raise ValueError("no tiers given; allowed: at least one of host, disk:PATH, redis://...")
+    return out
+
+
 def parse_offload_spec(text: str) -> list[TierSpec]:
     """``"host,disk:/path@10GiB,redis://h:6379/0"`` -> list of :class:`TierSpec` (see module doc)."""
     if not isinstance(text, str) or not text.strip():
