@@ -182,7 +182,7 @@ def fp32_disk_bytes(model) -> int:
     return n
 
 
-def bench_model(name: str, args, test_text: str, calib_text: str) -> dict:
+def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> dict:
     base, tok = load_model(name, args.quick)
     base.eval()
     windows = make_windows(tok, test_text, args.windows, args.window_len)
@@ -213,6 +213,8 @@ def bench_model(name: str, args, test_text: str, calib_text: str) -> dict:
             row.update(decode_ratio(model, base, prompt, args.decode_tokens))
             row["time_breakdown"] = decode_breakdown(model, prompt, args.decode_tokens)
         rows.append(row)
+        if save is not None:  # partial results survive an interrupted run
+            save({"model": name, "rows": rows, "partial": True})
         print(f"[{name}] {label}: ppl {row['ppl']:.3f} ({row['delta_ppl_pct']:+.2f}%) kld "
               f"{row['kld']:.4f} bpw {row['bpw_block_linears']:.3f} decode x"
               f"{row['decode_ratio'] if row['decode_ratio'] is None else round(row['decode_ratio'], 2)}"
@@ -252,7 +254,14 @@ def main() -> int:
         args.only = args.only or "RTN 4,GPTQ 4,Q4_K_M"
     h = header(models=args.models, windows=args.windows, window_len=args.window_len,
                n_samples=args.n_samples, text=source)
-    results = [bench_model(m, args, test_text, calib_text) for m in args.models.split(",")]
+    results = []
+
+    def save_partial(part):
+        write_result("bench_weights_quality", {"header": h, "results": results + [part]}, args.out,
+                     args.quick)
+
+    for m in args.models.split(","):
+        results.append(bench_model(m, args, test_text, calib_text, save_partial))
     write_result("bench_weights_quality", {"header": h, "results": results}, args.out, args.quick)
     return 0
 
