@@ -1,0 +1,114 @@
+"""Tune the best-4 / best-2 KV presets on WikiText-2 *train* text (never the test split).
+
+Runs the evaluator's protocol (``lessmem.eval.evaluate``: windows of N tokens, first
+quarter prefilled, the rest fed in chunks) over candidate KVConfigs, with lessmem's
+fused attention switched on, and writes one row per candidate (Δppl %, KLD, bits,
+compression at 4k tokens from the planner) to ``benchmarks/results/kv_tuning.json``.
+
+    python benchmarks/tune_kv_presets.py --windows 4 --window-len 1024 --chunk 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from lessmem.formats import PerGroup, PerToken
+from lessmem.kvcache import PRESETS, KVConfig, KVTensorConfig, enable
+
+ROOT = Path(__file__).resolve().parent
+TRAIN = ROOT.parents[1] / "shared/data/wikitext-2-raw/wiki.train.head.raw"
+
+
+def t(fmt, bits, gran=None):
+    return KVTensorConfig(fmt, bits, gran if gran is not None else PerToken())
+
+
+def ch(g):
+    return PerGroup(g, axis=-2)
+
+
+CANDIDATES_4 = {
+    "k4ch64-v4tok": KVConfig(keys=t("uint", 4, ch(64)), values=t("uint", 4), block_size=64, window=96),
+    "k4ch64rot-v4tok": KVConfig(keys=t("uint", 4, ch(64)), values=t("uint", 4), rotate_keys=True,
+                                block_size=64, window=96),
+    "k4ch64rot-v4tokrot": KVConfig(keys=t("uint", 4, ch(64)), values=t("uint", 4), rotate_keys=True,
+                                   rotate_values=True, block_size=64, window=96),
+    "k4g32rot-v4g32rot-int": KVConfig(keys=t("int", 4, PerGroup(32)), values=t("int", 4, PerGroup(32)),
+                                      rotate_keys=True, rotate_values=True, block_size=64, window=96),
+    "k4ch64rot-v4tok-nosinks": KVConfig(keys=t("uint", 4, ch(64)), values=t("uint", 4), rotate_keys=True,
+                                        block_size=64, window=96, sinks=0),
+}
+CANDIDATES_2 = {
+    "k3ch64rot-v2tokrot": KVConfig(keys=t("uint", 3, ch(64)), values=t("uint", 2), rotate_keys=True,
+                                   rotate_values=True, block_size=64, window=96),
+    "k3ch64-v2tok": KVConfig(keys=t("uint", 3, ch(64)), values=t("uint", 2), block_size=64, window=96),
+    "k2ch32rot-v2tokrot": KVConfig(keys=t("uint", 2, ch(32)), values=t("uint", 2), rotate_keys=True,
+                                   rotate_values=True, block_size=64, window=96),
+    "k3lmch64rot-v2lmtokrot": KVConfig(keys=t("lm", 3, ch(64)), values=t("lm", 2), rotate_keys=True,
+                                       rotate_values=True, block_size=64, window=96),
+    "k3ch64rot-v2g32rot": KVConfig(keys=t("uint", 3, ch(64)), values=t("uint", 2, PerGroup(32)),
+                                   rotate_keys=True, rotate_values=True, block_size=64, window=96),
+    "k3ch64rot-v3lmtokrot": KVConfig(keys=t("uint", 3, ch(64)), values=t("lm", 3), rotate_keys=True,
+                                     rotate_values=True, block_size=64, window=96),
+}
+
+
+class _Dims:
+    layers, kv_heads, head_dim = 30, 3, 64
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--window-len", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--which", default="4,2")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tuning.json")
+    args = p.parse_args(argv)
+    import lessmem
+    from lessmem.eval.caches import CacheSpec
+    from lessmem.eval.perplexity import evaluate
+    from lessmem.kvcache import KVCache
+    from lessmem.plan.kv import kv_bytes
+
+    model, tok = lessmem.load("smollm2-135m")
+    text = TRAIN.read_text()
+    cands = {}
+    if "4" in args.which.split(","):
+        cands.update(CANDIDATES_4)
+    if "2" in args.which.split(","):
+        cands.update(CANDIDATES_2)
+    cands.update({f"preset:{n}": PRESETS[n] for n in ("int8", "fp8", "kivi-4", "kivi-2")})
+    def factory(kv):
+        return lambda model_config: KVCache(model_config, kv)
+
+    specs = [CacheSpec(n, factory(c), "lessmem", c.to_dict()) for n, c in cands.items()]
+    t0 = time.time()
+    with enable(model):
+        rows = evaluate(model, tok, specs, text, args.windows, args.window_len, args.chunk,
+                        model_name="smollm2-135m", text_name="wiki.train.head.raw")
+    out = []
+    for r in rows:
+        cfg = cands.get(r["config"])
+        row = {k: r.get(k) for k in ("config", "ppl", "delta_ppl_pct", "kld", "top1", "k_bits", "v_bits")}
+        if cfg is not None:
+            kb, vb = cfg.effective_bits(64)
+            plan = kv_bytes(_Dims(), 4096, 1, cfg.to_plan(r["config"]))
+            row.update(bits_avg=(kb + vb) / 2, compression_4k=plan["fp16"] / plan["total"], kv=cfg.to_dict())
+        out.append(row)
+        print(f"{row['config']:<28} dppl {row['delta_ppl_pct']:+7.3f}%  kld {row['kld']:.4f}  "
+              f"bits {row.get('bits_avg', 16):.3f}  x{row.get('compression_4k', 1):.2f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"protocol": {k: rows[0][k] for k in ("model", "text", "windows",
+                                    "window_len", "chunk", "prefill")}, "seconds": time.time() - t0,
+                                    "rows": out}, indent=2, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

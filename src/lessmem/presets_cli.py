@@ -1,0 +1,100 @@
+"""``lessmem presets``: the named configs — KV-cache presets (and weight presets when
+``lessmem.weights`` defines them) with their settings and effective bits.
+
+Effective bits count codes plus the fp16 scale and uint8 zero point of each group, at
+the given ``--head-dim`` (64 for the built-in model; per-token groups span it).
+
+Example:
+    $ lessmem presets
+    $ lessmem presets --json --head-dim 128
+"""
+
+from __future__ import annotations
+
+import json
+
+HELP = "list the named configs (KV and weight presets)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--head-dim", type=int, default=64, help="head_dim for effective bits (default 64)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _gran(t) -> str:
+    if not t.quantized:
+        return "-"
+    if t.per_channel:
+        return f"chan/{t.granularity.size}t"
+    g = t.granularity
+    return f"tok/{g.size}c" if hasattr(g, "size") else "tok"
+
+
+def _side(t) -> str:
+    return "fp16" if not t.quantized else f"{t.format}{t.bits if t.format in ('int', 'uint', 'lm') else ''}"
+
+
+def kv_rows(head_dim: int = 64) -> list[dict]:
+    """One dict per KV preset: name, description, settings and effective bits."""
+    from lessmem.kvcache import DESCRIPTIONS, PRESETS
+
+    rows = []
+    for name, cfg in PRESETS.items():
+        kb, vb = cfg.effective_bits(head_dim)
+        rot = "+".join(x for x, on in (("K", cfg.rotate_keys), ("V", cfg.rotate_values)) if on) or "-"
+        rows.append({"kind": "kv", "name": name, "description": DESCRIPTIONS.get(name, ""),
+                     "keys": f"{_side(cfg.keys)} {_gran(cfg.keys)}".strip(),
+                     "values": f"{_side(cfg.values)} {_gran(cfg.values)}".strip(),
+                     "window": cfg.window, "sinks": cfg.sinks, "block": cfg.block_size,
+                     "rotation": rot, "k_bits": kb, "v_bits": vb, "config": cfg.to_dict()})
+    return rows
+
+
+def weight_rows() -> list[dict]:
+    """Weight presets when ``lessmem.weights`` exposes ``PRESETS`` or ``presets()``."""
+    try:
+        import lessmem.weights as w
+    except Exception:
+        return []
+    presets = getattr(w, "PRESETS", None)
+    if presets is None and callable(getattr(w, "presets", None)):
+        presets = w.presets()
+    if not isinstance(presets, dict):
+        return []
+    rows = []
+    for name, cfg in presets.items():
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else {"config": repr(cfg)}
+        rows.append({"kind": "weights", "name": name, "config": d,
+                     "description": getattr(cfg, "description", "") or type(cfg).__name__})
+    return rows
+
+
+def run(args) -> int:
+    if args.head_dim < 8 or args.head_dim % 8:
+        raise ValueError(f"--head-dim {args.head_dim}; allowed: a positive multiple of 8")
+    kv = kv_rows(args.head_dim)
+    wt = weight_rows()
+    if args.json:
+        print(json.dumps(kv + wt, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"KV-cache presets (effective bits at head_dim {args.head_dim})")
+    for col in ("name", "keys", "values", "window", "sinks", "rot", "K bits", "V bits"):
+        table.add_column(col, justify="right" if "bits" in col or col in ("window", "sinks") else "left",
+                         no_wrap=True)
+    for r in kv:
+        table.add_row(r["name"], r["keys"], r["values"], str(r["window"]), str(r["sinks"]), r["rotation"],
+                      f"{r['k_bits']:.3f}", f"{r['v_bits']:.3f}")
+    console = Console()
+    console.print(table)
+    console.print("see `lessmem presets --json` for descriptions and full configs")
+    if wt:
+        t2 = Table(title="weight presets")
+        t2.add_column("name")
+        t2.add_column("description")
+        for r in wt:
+            t2.add_row(r["name"], str(r["description"]))
+        console.print(t2)
+    return 0
