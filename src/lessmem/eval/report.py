@@ -102,17 +102,23 @@ def plot(rows: list[dict], path: str | Path) -> Path:
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
+    # unquantized caches (>= 16 bits) are the y = 0 reference line, not points
+    pts = [r for r in rows if math.isfinite(r["delta_ppl_pct"])
+           and math.isfinite((r["k_bits"] + r["v_bits"]) / 2) and (r["k_bits"] + r["v_bits"]) / 2 < 16]
+    for i, r in enumerate(sorted(pts, key=lambda r: ((r["k_bits"] + r["v_bits"]) / 2, r["delta_ppl_pct"]))):
         bits = (r["k_bits"] + r["v_bits"]) / 2
-        if not math.isfinite(bits) or not math.isfinite(r["delta_ppl_pct"]):
-            continue
         ax.scatter(bits, r["delta_ppl_pct"], s=30, color="tab:gray" if r.get("kind") == "peer" else "tab:blue")
-        ax.annotate(r["config"], (bits, r["delta_ppl_pct"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(0, color="black", linewidth=0.6)
+        ax.annotate(r["config"], (bits, r["delta_ppl_pct"]), textcoords="offset points",
+                    xytext=(5, 6 if i % 2 == 0 else -11), fontsize=8)
+    ax.axhline(0, color="black", linewidth=0.6, label="unquantized (DynamicCache)")
     ax.set_xlabel("effective bits per K/V element (mean of K and V)")
     ax.set_ylabel("Δ perplexity vs DynamicCache (%)")
-    if any(r["delta_ppl_pct"] > 50 for r in rows if math.isfinite(r["delta_ppl_pct"])):
+    ds = [r["delta_ppl_pct"] for r in pts] or [0.0]
+    log = any(abs(d) > 5 for d in ds)
+    if log:
         ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(min(-0.5, 1.5 * min(ds)), max(ds) * (4 if log else 1.15) + 0.5)
+    ax.legend(loc="upper right", fontsize=8)
     r0 = rows[0]
     ax.set_title(f"{r0['model']}, {r0['text']}: {r0['windows']}x{r0['window_len']} tokens, chunk {r0['chunk']}",
                  fontsize=9)
