@@ -161,3 +161,10 @@ def test_builtin_model_greedy_continuation():
         out = model.generate(**ids, max_new_tokens=8, do_sample=False, temperature=None, top_p=None, top_k=None)
     assert torch.isfinite(logits).all()
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_hub_id_without_a_hub_fails_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models._hub_reachable() is False
+    with pytest.raises(ValueError, match="as a hub id \\(no Hugging Face hub is reachable"):
+        load("no-such-org/no-such-model-xyz")

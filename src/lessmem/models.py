@@ -209,7 +209,9 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
             raise ValueError(f"{name!r} is a file but not a .gguf file; pass a .gguf file, "
                              "a model directory, a hub id or one of " + ", ".join(BUILTIN))
         elif _looks_like_hub_id(name):
-            model, tok = _load_hf(name, dtype, local=False)
+            # where no hub answers, only the local HF cache can serve it (fails fast
+            # instead of transformers' minute of retries)
+            model, tok = _load_hf(name, dtype, local=not _hub_reachable())
         else:
             raise ValueError(
                 f"unknown model {name!r}: not a built-in alias ({', '.join(BUILTIN)}), "
@@ -338,7 +340,9 @@ def _load_hf(name: str, dtype: torch.dtype, local: bool):
         tok = AutoTokenizer.from_pretrained(name, local_files_only=local)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local)
     except (OSError, ValueError) as exc:
-        where = "directory" if local else "hub id (is a Hugging Face hub reachable from here?)"
+        where = "directory" if Path(name).is_dir() else (
+            "hub id (no Hugging Face hub is reachable from here and it is not in the local HF cache)"
+            if local else "hub id")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"could not load model {name!r} as a {where}: {first}") from exc
     return model, tok
@@ -353,6 +357,22 @@ def _load_quantized_checkpoint(path: Path):
     from lessmem.weights import checkpoint
 
     return checkpoint.load_quantized(path)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """True when the Hugging Face endpoint accepts a TCP connection (and not offline mode)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _looks_like_hub_id(name: str) -> bool:
