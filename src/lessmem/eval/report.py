@@ -67,7 +67,10 @@ def print_table(rows: list[dict], passkey: dict | None = None, console=None) -> 
     r0 = rows[0]
     title = (f"{r0['model']} on {r0['text']}: {r0['windows']} x {r0['window_len']} tokens, "
              f"prefill {r0['prefill']}, chunk {r0['chunk']}")
-    t = Table(title=title)
+    t = Table(title=title, caption=(
+        "K/V bits: per element over the quantized tokens, scales and zero points included "
+        "(unquantized: the bits held). KV MiB: bytes held after the full window. "
+        "KLD and top-1 vs DynamicCache. tok/s: chunked decode."))
     for col in ("config", "K/V bits", "KV MiB", "x fp16", "ppl", "Δppl %", "KLD", "top-1",
                 "tok/s", "x speed"):
         t.add_column(col, justify="left" if col == "config" else "right")
