@@ -82,3 +82,30 @@ def test_split_layout_unpacking_is_what_the_doc_says():
     assert unpack_codes(codes, 4, 4).tolist() == [[[[1, 3, 2, 4]]]]
     side = QuantSide(codes, torch.full((1, 1, 1, 1), 0.5).half(), None, None, 4, 1, 4, 1.0)
     assert dequantize_side(side, 4).tolist() == [[[[0.0, 1.0, 0.5, 1.5]]]]
+
+
+@pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True)])
+def test_one_call_history_plus_full_precision(causal, masked):
+    from lessmem.kernels.attention import fused_attention
+
+    g = torch.Generator().manual_seed(7)
+    B, Hkv, Hq, Tq, T, Lf, D = 2, 2, 4, 3, 96, 20, 64
+    kv = QuantKV(_side(g, B, Hkv, T, D, 4, 32, 1, "zp"), _side(g, B, Hkv, T, D, 4, 1, 64, "zp"))
+    q = torch.randn(B, Hq, Tq, D, generator=g) * 0.1
+    kf, vf = torch.randn(B, Hkv, Lf, D, generator=g), torch.randn(B, Hkv, Lf, D, generator=g)
+    mask = torch.zeros(B, Tq, T + Lf)
+    if masked:
+        mask[1, :, :30] = float("-inf")
+        mask[0, 1, T + 5:] = float("-inf")
+    if causal:
+        mask[:, :, T:] = torch.where(torch.arange(Lf)[None, :] <= torch.arange(Tq)[:, None] + Lf - Tq,
+                                     0.0, float("-inf"))
+    res = fused_attention(q, kv, mask[..., :T] if masked else None, q, kf, vf,
+                          mask[..., T:] if masked else None, causal)
+    if res is None:
+        pytest.skip("no C++ compiler: the one-call path is C++ only (the caller falls back)")
+    out_h, out_f, _ = res
+    k = torch.cat([dequantize_side(kv.keys, D), kf], 2).repeat_interleave(2, 1)
+    v = torch.cat([dequantize_side(kv.values, D), vf], 2).repeat_interleave(2, 1)
+    p = torch.softmax(q @ k.transpose(-1, -2) + mask[:, None], dim=-1)
+    torch.testing.assert_close(out_f + out_h, p @ v, atol=1e-4, rtol=1e-4)

@@ -159,6 +159,31 @@ def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None 
     if mod is None:
         return _torch_path(q, kv, mask)
     m = mask if mask is not None else torch.empty(0, dtype=torch.float32)
-    out, lse = mod.qattn_forward(q.float().contiguous(), *_side_args(kv.keys),
-                                 *_side_args(kv.values), m, _n_split(B, Hkv, T))
+    e = torch.empty(0, dtype=torch.float32)
+    out, _, lse = mod.qattn_forward(q.float().contiguous(), *_side_args(kv.keys),
+                                    *_side_args(kv.values), m, _n_split(B, Hkv, T), e, e, e, e, False)
     return out, lse
+
+
+def fused_attention(q_h: torch.Tensor, kv: QuantKV, mask_h: torch.Tensor | None, q_f: torch.Tensor,
+                    k_f: torch.Tensor, v_f: torch.Tensor, mask_f: torch.Tensor | None, causal: bool):
+    """One C++ call for a decode step: quantized history *and* full-precision tokens.
+
+    ``q_h`` scores the history (scaled, rotated like the keys), ``q_f`` the fp tokens
+    ``k_f, v_f`` [B, Hkv, Lf, D] (scaled, unrotated); masks are additive [B, Tq, ·];
+    ``causal``: fp token j is visible to row tq only when j <= Lf − Tq + tq. Returns
+    ``(out_h, out_f, lse)``, both outputs divided by the joint softmax sum, so the
+    attention output is ``out_f + out_h`` (after un-rotating ``out_h`` if values were
+    rotated). Returns None when the C++ kernel is unavailable (the caller falls back).
+    """
+    mod = _module() if q_h.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
+    if mod is None:
+        return None
+    B, Hq, Tq, D = q_h.shape
+    Hkv, T = kv.keys.codes.shape[1], kv.n_tokens
+    e = torch.empty(0, dtype=torch.float32)
+    mh = mask_h.float().contiguous() if mask_h is not None else e
+    mf = mask_f.float().contiguous() if mask_f is not None else e
+    return mod.qattn_forward(q_h.float().contiguous(), *_side_args(kv.keys), *_side_args(kv.values),
+                             mh, _n_split(B, Hkv, T), q_f.float().contiguous(), k_f.float().contiguous(),
+                             v_f.float().contiguous(), mf, bool(causal))

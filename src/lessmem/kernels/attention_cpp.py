@@ -13,6 +13,7 @@ history is ever materialized in float.
 SOURCE = r"""
 #include <torch/extension.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 #ifdef _OPENMP
@@ -22,6 +23,21 @@ SOURCE = r"""
 namespace {
 constexpr int TILE = 32;
 const float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (softmax after max subtraction), vectorizable: 2^n · p(r) with
+// x = n·ln2 + r, |r| <= ln2/2, p a degree-6 Taylor/Horner polynomial (rel. err ~2e-7);
+// x < -87 (including -inf) gives exactly 0.
+inline float exp_neg(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f; p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+  const int32_t e = ((int32_t)n + 127) << 23;
+  float two_n; std::memcpy(&two_n, &e, 4);
+  return x < -87.f ? 0.f : p * two_n;
+}
 
 struct QSide {
   const uint8_t* codes; const at::Half* scale; const uint8_t* zp; const float* lut;
@@ -69,7 +85,9 @@ struct RowDecoder {
   std::vector<float> s, z, c; int64_t cur = -1;
   RowDecoder(const QSide& q_, int D_, int64_t bh_, int64_t rows)
       : q(q_), D(D_), bh(bh_), T_scale_rows(rows), s(D_), z(D_), c(D_) {}
+  template <int DC>
   inline void decode(int64_t t, int64_t T, float* __restrict__ out) {
+    const int D = DC > 0 ? DC : this->D;
     float* __restrict__ cp = c.data();
     unpack_row(q.codes + (bh * T + t) * q.rb, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
@@ -114,48 +132,55 @@ QSide make_side(const torch::Tensor& codes, const torch::Tensor& scale, const to
 }
 }  // namespace
 
-std::vector<torch::Tensor> qattn_forward(
-    torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor kz, torch::Tensor klut,
-    int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
-    torch::Tensor vc, torch::Tensor vs, torch::Tensor vz, torch::Tensor vlut,
-    int64_t vbits, int64_t vtg, int64_t vdg, double vzc,
-    torch::Tensor mask, int64_t nsplit) {
-  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
-  const int64_t Hkv = kc.size(1), T = kc.size(2);
+// Full-precision part (sinks, window, current chunk): float rows [B, Hkv, Lf, D] read
+// directly, scored with the unrotated queries; "causal": row tq sees fp token j only
+// when j <= Lf - Tq + tq (the current chunk is the last Tq fp tokens).
+struct FpPart {
+  const float* k = nullptr; const float* v = nullptr; const float* q = nullptr;
+  const float* mask = nullptr; int64_t L = 0; bool causal = false;
+};
+
+template <int DC>
+void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t Hq, int64_t Tq,
+               int64_t Hkv, int64_t T, int64_t nsplit, int64_t krows, int64_t vrows,
+               const float* qp, const float* mp, const FpPart& F,
+               float* pmp, float* plp, float* pap) {
+  const int64_t D = DC > 0 ? DC : Drt;
   const int64_t nrep = Hq / Hkv, rows = nrep * Tq;
-  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D);
-  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D);
-  const int64_t krows = ks.size(2), vrows = vs.size(2);
-  const float* qp = q.data_ptr<float>();
-  const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
-  if (nsplit < 1) nsplit = 1;
-  const int64_t per = (T + nsplit - 1) / nsplit;
-  auto pm = torch::full({B, Hkv, nsplit, rows}, NEG_INF, torch::kFloat32);
-  auto pl = torch::zeros({B, Hkv, nsplit, rows}, torch::kFloat32);
-  auto pa = torch::zeros({B, Hkv, nsplit, rows, D}, torch::kFloat32);
-  float* pmp = pm.data_ptr<float>(); float* plp = pl.data_ptr<float>(); float* pap = pa.data_ptr<float>();
-  const int64_t items = B * Hkv * nsplit;
+  const int64_t per = T > 0 ? (T + nsplit - 1) / nsplit : 0;
+  const int64_t nitem = nsplit + 1;  // the last split of each (b, h) is the fp part
+  const int64_t items = B * Hkv * nitem;
 
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t it = 0; it < items; ++it) {
-    const int64_t sp = it % nsplit, bh = it / nsplit, b = bh / Hkv, h = bh % Hkv;
-    const int64_t t0 = sp * per, t1 = std::min(T, t0 + per);
+    const int64_t sp = it % nitem, bh = it / nitem, b = bh / Hkv, h = bh % Hkv;
+    const bool fp = sp == nsplit;
+    const int64_t t0 = fp ? 0 : sp * per;
+    const int64_t t1 = fp ? F.L : std::min(T, t0 + per);
     if (t0 >= t1) continue;
     RowDecoder kd(K, (int)D, bh, krows), vd(V, (int)D, bh, vrows);
     std::vector<float> kf(D), vf(D), sc(rows * TILE);
+    const float* qbase = fp ? F.q : qp;
     float* m = pmp + it * rows; float* l = plp + it * rows; float* acc = pap + it * rows * D;
     for (int64_t ts = t0; ts < t1; ts += TILE) {
       const int64_t n = std::min<int64_t>(TILE, t1 - ts);
       for (int64_t i = 0; i < n; ++i) {
-        kd.decode(ts + i, T, kf.data());
+        const int64_t t = ts + i;
+        const float* __restrict__ kp;
+        if (fp) kp = F.k + (bh * F.L + t) * D;
+        else { kd.template decode<DC>(t, T, kf.data()); kp = kf.data(); }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
-          const float* qr = qp + ((b * Hq + hq) * Tq + tq) * D;
+          const float* __restrict__ qr = qbase + ((b * Hq + hq) * Tq + tq) * D;
           float s = 0.f;
-          const float* __restrict__ kp = kf.data();
 #pragma omp simd reduction(+:s)
           for (int64_t d = 0; d < D; ++d) s += qr[d] * kp[d];
-          if (mp) s += mp[(b * Tq + tq) * T + ts + i];
+          if (fp) {
+            if (F.mask) s += F.mask[(b * Tq + tq) * F.L + t];
+            if (F.causal && t > F.L - Tq + tq) s = NEG_INF;
+          } else if (mp) {
+            s += mp[(b * Tq + tq) * T + t];
+          }
           sc[r * TILE + i] = s;
         }
       }
@@ -168,48 +193,90 @@ std::vector<torch::Tensor> qattn_forward(
         if (corr != 1.f) { l[r] *= corr; for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= corr; }
         m[r] = mnew;
         float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) { const float p = std::exp(sc[r * TILE + i] - mnew); sc[r * TILE + i] = p; sum += p; }
+        float* __restrict__ srow = sc.data() + r * TILE;
+#pragma omp simd reduction(+:sum)
+        for (int64_t i = 0; i < n; ++i) { const float p = exp_neg(srow[i] - mnew); srow[i] = p; sum += p; }
         l[r] += sum;
       }
       for (int64_t i = 0; i < n; ++i) {
-        vd.decode(ts + i, T, vf.data());
+        const int64_t t = ts + i;
+        const float* __restrict__ vp;
+        if (fp) vp = F.v + (bh * F.L + t) * D;
+        else { vd.template decode<DC>(t, T, vf.data()); vp = vf.data(); }
         for (int64_t r = 0; r < rows; ++r) {
           const float p = sc[r * TILE + i];
           if (p == 0.f) continue;
           float* __restrict__ a = acc + r * D;
-          const float* __restrict__ vp = vf.data();
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] += p * vp[d];
         }
       }
     }
   }
-  // merge the splits: out = Σ_s acc_s e^{m_s − M} / Σ_s l_s e^{m_s − M},  lse = M + log L
-  auto out = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
+}
+
+// Returns {out_h, out_f, lse}: the quantized-history and full-precision contributions,
+// both already divided by the joint softmax denominator, so out = out_f + R_vᵀ·out_h.
+std::vector<torch::Tensor> qattn_forward(
+    torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor kz, torch::Tensor klut,
+    int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
+    torch::Tensor vc, torch::Tensor vs, torch::Tensor vz, torch::Tensor vlut,
+    int64_t vbits, int64_t vtg, int64_t vdg, double vzc,
+    torch::Tensor mask, int64_t nsplit,
+    torch::Tensor qf, torch::Tensor kfp, torch::Tensor vfp, torch::Tensor maskf, bool causal) {
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = kc.size(1), T = kc.size(2);
+  const int64_t rows = (Hq / Hkv) * Tq;
+  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D);
+  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D);
+  const int64_t krows = ks.size(2), vrows = vs.size(2);
+  const float* qp = q.data_ptr<float>();
+  const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
+  FpPart F;
+  if (kfp.numel()) {
+    F.k = kfp.data_ptr<float>(); F.v = vfp.data_ptr<float>(); F.q = qf.data_ptr<float>();
+    F.mask = maskf.numel() ? maskf.data_ptr<float>() : nullptr; F.L = kfp.size(2); F.causal = causal;
+  }
+  if (nsplit < 1) nsplit = 1;
+  const int64_t nitem = nsplit + 1;
+  auto pm = torch::full({B, Hkv, nitem, rows}, NEG_INF, torch::kFloat32);
+  auto pl = torch::zeros({B, Hkv, nitem, rows}, torch::kFloat32);
+  auto pa = torch::zeros({B, Hkv, nitem, rows, D}, torch::kFloat32);
+  float* pmp = pm.data_ptr<float>(); float* plp = pl.data_ptr<float>(); float* pap = pa.data_ptr<float>();
+  if (D == 64) run_items<64>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, krows, vrows, qp, mp, F, pmp, plp, pap);
+  else if (D == 128) run_items<128>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, krows, vrows, qp, mp, F, pmp, plp, pap);
+  else run_items<0>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, krows, vrows, qp, mp, F, pmp, plp, pap);
+  // merge: M = max_s m_s, L = Σ_s l_s e^{m_s − M}, out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
+  auto out_h = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
+  auto out_f = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
   auto lse = torch::full({B, Hq, Tq}, NEG_INF, torch::kFloat32);
-  float* op = out.data_ptr<float>(); float* lp = lse.data_ptr<float>();
+  float* ohp = out_h.data_ptr<float>(); float* ofp = out_f.data_ptr<float>(); float* lp = lse.data_ptr<float>();
+  const int64_t nrep = Hq / Hkv;
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * Hkv; ++bh) {
     const int64_t b = bh / Hkv, h = bh % Hkv;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
       float M = NEG_INF;
-      for (int64_t s = 0; s < nsplit; ++s) M = std::max(M, pmp[(bh * nsplit + s) * rows + r]);
+      for (int64_t s = 0; s < nitem; ++s) M = std::max(M, pmp[(bh * nitem + s) * rows + r]);
       if (M == NEG_INF) continue;
       float L = 0.f;
-      float* o = op + ((b * Hq + hq) * Tq + tq) * D;
-      for (int64_t s = 0; s < nsplit; ++s) {
-        const int64_t base = (bh * nsplit + s) * rows + r;
-        if (pmp[base] == NEG_INF) continue;
-        const float w = std::exp(pmp[base] - M);
-        L += plp[base] * w;
-        const float* a = pap + base * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
+      for (int64_t s = 0; s < nitem; ++s) {
+        const int64_t base = (bh * nitem + s) * rows + r;
+        if (pmp[base] != NEG_INF) L += plp[base] * std::exp(pmp[base] - M);
       }
-      for (int64_t d = 0; d < D; ++d) o[d] /= L;
+      const int64_t o = ((b * Hq + hq) * Tq + tq) * D;
+      for (int64_t s = 0; s < nitem; ++s) {
+        const int64_t base = (bh * nitem + s) * rows + r;
+        if (pmp[base] == NEG_INF) continue;
+        const float w = std::exp(pmp[base] - M) / L;
+        float* dst = (s == nsplit ? ofp : ohp) + o;
+        const float* a = pap + base * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += a[d] * w;
+      }
       lp[(b * Hq + hq) * Tq + tq] = M + std::log(L);
     }
   }
-  return {out, lse};
+  return {out_h, out_f, lse};
 }
 """

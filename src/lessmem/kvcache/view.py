@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention import QuantKV, quantized_attention
+from ..kernels.attention import QuantKV, fused_attention, quantized_attention
 from ..kernels.attention_reference import dequantize_side
 
 
@@ -46,6 +46,17 @@ def _fp_attention(q, k, v, mask, scaling):
         s = s + mask
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v, lse
+
+
+FUSED_MAX_QUERIES = 32  # up to this many query tokens, one C++ call does everything
+
+
+def _rot_matrix(rot, device) -> torch.Tensor:
+    """Rᵀ as a dense matrix, so rotate(x) = x @ Rᵀ and inverse(y) = y @ R (cached)."""
+    cache = rot.__dict__.setdefault("_lessmem_rt", {})
+    if device not in cache:
+        cache[device] = rot.rotate(torch.eye(rot.n, device=device))
+    return cache[device]
 
 
 @dataclass
@@ -99,6 +110,27 @@ class LayerView:
                 vs.append(part[1].to(dtype))
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
+    def _attend_one_call(self, qf, kf, vf, mask, scaling, L):
+        B, Hq, Tq, D = qf.shape
+        s, nh = self.n_sinks, self.n_history
+        m_h = m_f = None
+        if mask is not None:
+            m = _additive(mask)
+            if m.shape[-1] != L:
+                raise ValueError(f"attention mask covers {m.shape[-1]} positions, the cache holds {L}")
+            m = m.expand(B, 1, Tq, L)[:, 0]
+            m_h = m[..., s:s + nh]
+            m_f = torch.cat([m[..., :s], m[..., s + nh:]], dim=-1)
+        q_f = qf * scaling
+        q_h = q_f @ _rot_matrix(self.rot_k, qf.device) if self.rot_k is not None else q_f
+        res = fused_attention(q_h, self.history, m_h, q_f, kf, vf, m_f, causal=mask is None and Tq > 1)
+        if res is None:
+            return None
+        out_h, out_f, _ = res
+        if self.rot_v is not None:
+            out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
+        return out_f + out_h
+
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] (q's dtype) for queries q [B, Hq, Tq, D].
 
@@ -110,6 +142,10 @@ class LayerView:
         kf, vf = self._fp_parts(torch.float32)
         s, nh = self.n_sinks, self.n_history
         L = nh + kf.shape[2]
+        if nh and Tq <= FUSED_MAX_QUERIES:
+            out = self._attend_one_call(qf, kf, vf, mask, scaling, L)
+            if out is not None:
+                return out.to(q.dtype)
         if mask is not None:
             m = _additive(mask)[..., -Tq:, :]
             if m.shape[-1] != L:
