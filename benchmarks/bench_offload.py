@@ -14,9 +14,9 @@ in turn (so machine noise hits all alike):
 Correctness first: every step's logits of each tiered variant must equal the baseline's
 bit for bit. Reported per context: tok/s and the ratio to the baseline, bytes on the
 device (peak, from the tensors held) against the budget, achieved disk read GB/s,
-prefetch lateness. Then peak process RSS (``ru_maxrss``) of two fresh subprocesses that
-restore the saved state from the disk store and decode: all blocks in RAM vs the
-tiered cache under the budget.
+prefetch lateness. Then the peak process RSS (sampled every 2 ms) of two fresh
+subprocesses that restore the saved state from the disk store and decode: all blocks
+in RAM vs the tiered cache under the budget.
 
     python benchmarks/bench_offload.py                 # built-in model, 4k and 8k
     python benchmarks/bench_offload.py --quick         # CI: tiny random model
@@ -149,7 +149,7 @@ def run_context(model, tok, cfg, block_tokens, n_ctx, steps, disk_share, root: P
 
 
 CHILD = r"""
-import json, resource, sys, torch
+import gc, json, sys, threading, time, torch
 sys.path.insert(0, sys.argv[1])
 import bench_offload as b
 from lessmem.kvcache import enable
@@ -159,8 +159,19 @@ quick, store, mode, steps, ids = sys.argv[2] == "1", sys.argv[3], sys.argv[4], i
 model, tok, cfg, bt = b.load_model(quick)
 enable(model)
 ids = torch.load(ids)
+gc.collect()
+base = b.rss_bytes()
+peak = [base]
+stop = threading.Event()
+def sample():  # current RSS every 2 ms: the peak while the cache is restored and used
+    while not stop.is_set():
+        peak[0] = max(peak[0], b.rss_bytes())
+        time.sleep(0.002)
+th = threading.Thread(target=sample, daemon=True)
+th.start()
 c = TieredKVCache(model.config, cfg, tiers=[DiskTier(store)], block_tokens=bt, model_id=b.MODEL_ID)
-rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if mode == "tiered":
+    c.set_device_budget(1)  # restore with everything below the device, then set the real budget
 logits = c.restore_prefix(ids[0])
 assert logits is not None and logits.numel(), "saved prefix not found"
 if mode == "memory":
@@ -173,10 +184,20 @@ nxt = logits.argmax(-1)
 with torch.no_grad():
     for _ in range(steps):
         nxt = model(nxt[:, None], **cache_kwargs(model, cache)).logits[:, -1].argmax(-1)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"maxrss_kib_before_cache": rss0, "maxrss_kib": peak,
-                  "device_peak": getattr(cache, "device_peak", None)}))
+stop.set()
+th.join()
+print(json.dumps({"rss_before_cache": base, "peak_rss_during_decode": peak[0],
+                  "kv_bytes_on_device": getattr(cache, "device_peak", None) or cache.memory()["total"]}))
 """
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def rss_phase(quick, steps, disk_share, root: Path) -> dict:
@@ -189,8 +210,10 @@ def rss_phase(quick, steps, disk_share, root: Path) -> dict:
         if p.returncode:
             raise RuntimeError(p.stderr[-2000:])
         out[mode] = json.loads(p.stdout.strip().splitlines()[-1])
-    out["kv_rss_mib"] = {k: (v["maxrss_kib"] - v["maxrss_kib_before_cache"]) / 1024 for k, v in out.items()}
-    out["peak_rss_drop_mib"] = (out["memory"]["maxrss_kib"] - out["tiered"]["maxrss_kib"]) / 1024
+    out["kv_rss_mib"] = {k: (v["peak_rss_during_decode"] - v["rss_before_cache"]) / 2**20
+                         for k, v in out.items()}
+    out["peak_rss_drop_mib"] = (out["memory"]["peak_rss_during_decode"]
+                                - out["tiered"]["peak_rss_during_decode"]) / 2**20
     return out
 
 
