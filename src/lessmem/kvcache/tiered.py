@@ -248,7 +248,6 @@ class TieredKVCache(KVCache):
         self.over_budget = 0  # reads at which even an empty device tier could not meet the budget
         self.prefill_skipped = 0
         self._hashes: list[str] = []
-        self._has_sinks_block = False
 
     @classmethod
     def from_cache(cls, src: KVCache, **kwargs) -> TieredKVCache:
@@ -434,6 +433,7 @@ class TieredKVCache(KVCache):
             raise ValueError(f"the cache holds {self.get_seq_length()} tokens, token_ids has "
                              f"{len(ids)}; allowed: the ids the cache was filled with")
         self._check_restorable()
+        self._drain()  # block keys may change below: no gather may be in flight
         self.set_tokens(ids)
         rec: dict[str, torch.Tensor] = {"length": torch.tensor([len(ids)])}
         if logits is not None:
@@ -446,7 +446,9 @@ class TieredKVCache(KVCache):
                 for t in self.lower:
                     if not t.contains(want):
                         t.put(want, block)
-                la.block_keys[idx] = want
+                if key != want:  # a session key becomes the shareable content key
+                    self.stack.delete(key)
+                    la.block_keys[idx] = want
             rec[f"L{i}.probe"] = torch.empty(la.batch_size, la.num_heads, 0, la.head_dim, dtype=la.dtype)
             rec[f"L{i}.sinks_k"], rec[f"L{i}.sinks_v"] = la.sinks
             rec[f"L{i}.window_k"], rec[f"L{i}.window_v"] = la.window
@@ -567,9 +569,7 @@ class TieredKVCache(KVCache):
                 for k in la.block_keys:
                     if k.startswith("s" + self.session):
                         self.stack.delete(k)
-        self.stack._pool.shutdown(wait=True)
-        for t in self.stack.tiers:
-            t.close()
+        self.stack.close(flush=False)
 
     def __repr__(self) -> str:
         return (f"TieredKVCache(layers={len(self.layers)}, config={self.kv_config}, "

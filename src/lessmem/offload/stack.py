@@ -179,9 +179,9 @@ class TierStack:
                 if block is not None:
                     self._put_from(i + 1, key, block)
 
-    def close(self) -> None:
-        """Flush (write-back) and close every tier."""
-        if self.write_policy == "write-back":
+    def close(self, flush: bool = True) -> None:
+        """Flush (write-back, unless ``flush=False``) and close every tier."""
+        if flush and self.write_policy == "write-back":
             self.flush()
         self._pool.shutdown(wait=True)
         for t in self.tiers:
