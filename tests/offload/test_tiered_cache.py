@@ -216,3 +216,41 @@ def test_save_prefix_rekeys_session_blocks(tmp_path):
     a = _gen.decode(m, cache, logits, 4)
     b = _gen.decode(m, fresh, logits, 4)
     assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sliding_window_policy(tmp_path, fused):
+    m = _gen.model()
+    switch = enable(m) if fused else None
+    try:
+        cfg = _gen.CFG.replace(sinks=0)
+        ids = _gen.prompt(200)
+        # a window covering everything is the plain cache, bit for bit
+        ref = KVCache(m.config, cfg)
+        ref_out = _gen.decode(m, ref, _gen.chunked_prefill(m, ref, ids), 6)
+        wide = TieredKVCache(m.config, cfg, tiers="host", block_tokens=32, attention_window=1024)
+        out = _gen.decode(m, wide, _gen.chunked_prefill(m, wide, ids), 6)
+        assert out[0] == ref_out[0] and all(torch.equal(a, b) for a, b in zip(out[1], ref_out[1], strict=True))
+        # a narrow window attends to the last 2 blocks + the window; older blocks stay on disk
+        def narrow(budget):
+            c = TieredKVCache(m.config, cfg, tiers=[DiskTier(tmp_path / str(budget), fsync=False)],
+                              block_tokens=32, attention_window=64, device_budget=budget)
+            return c, _gen.decode(m, c, _gen.chunked_prefill(m, c, ids), 6)
+
+        small, a = narrow(20000)
+        big, b = narrow(None)
+        assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+        assert not all(torch.equal(x, y) for x, y in zip(a[1], ref_out[1], strict=True))
+        la = small.tiered[0]
+        assert small._hidden_blocks(la) == len(la.block_keys) - 2 > 0
+        assert all(small.stack.where(k) is not None for k in la.block_keys)  # kept for reuse
+        hits = small.offload_stats()["disk"]["hits"]
+        _gen.decode(m, small, a[1][-1], 2)  # decoding never reads the hidden blocks
+        assert small.offload_stats()["disk"]["hits"] - hits <= 2 * 2 * len(small.tiered)
+    finally:
+        if switch is not None:
+            switch.disable()
+    with pytest.raises(ValueError, match="sinks=0"):
+        TieredKVCache(m.config, _gen.CFG, block_tokens=32, attention_window=64)
+    with pytest.raises(ValueError, match="attention_window=48"):
+        TieredKVCache(m.config, cfg, block_tokens=32, attention_window=48)

@@ -123,6 +123,10 @@ class TieredKVLayer(QuantizedKVLayer):
         self.owner._chunk = key_states.shape[2]
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        hidden = self.owner._hidden_tokens(self)
+        return self.length + query_length - hidden, hidden
+
     def token_bytes(self) -> int:
         """Full-precision bytes one more token adds to this layer (keys + values)."""
         if not self.is_initialized:
@@ -209,11 +213,16 @@ class TieredKVCache(KVCache):
     unbounded. ``block_tokens``: tokens per stored block (multiple of the config's
     ``block_size``). ``write_policy``: ``"write-back"`` or ``"write-through"``.
     ``model_id``: names the model in block keys (default: from the model config).
+    ``attention_window``: None (attend to everything; the tiers only move bytes) or the
+    sliding-window policy: attend to the most recent blocks covering at least this many
+    tokens (a multiple of ``block_tokens``; needs ``sinks=0``) plus the window, while the
+    older blocks stay in the tiers for prefix reuse and are never read while decoding.
     """
 
     def __init__(self, model_config, config: str | KVConfig = "int4", tiers=None, device_budget=None,
                  block_tokens: int = 256, prefetch: bool = True, write_policy: str = "write-back",
-                 attention: str = "auto", model_id: str | None = None):
+                 attention: str = "auto", model_id: str | None = None,
+                 attention_window: int | None = None):
         super().__init__(model_config, config, attention)
         bs = self.kv_config.block_size
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
@@ -221,6 +230,15 @@ class TieredKVCache(KVCache):
             raise ValueError(f"block_tokens={block_tokens!r}; allowed: a positive multiple of the "
                              f"config's block_size {bs}")
         self.block_tokens = block_tokens
+        if attention_window is not None:
+            if isinstance(attention_window, bool) or not isinstance(attention_window, int) \
+                    or attention_window < block_tokens or attention_window % block_tokens:
+                raise ValueError(f"attention_window={attention_window!r}; allowed: None or a positive "
+                                 f"multiple of block_tokens {block_tokens}")
+            if self.kv_config.sinks:
+                raise ValueError(f"attention_window needs a config with sinks=0 (got sinks="
+                                 f"{self.kv_config.sinks}); allowed: e.g. config.replace(sinks=0)")
+        self.attention_window = attention_window
         self.device_budget = None if device_budget is None else parse_bytes(device_budget)
         self.prefetch = bool(prefetch)
         self.device_tier = DeviceTier(None, device="cpu")
@@ -351,7 +369,8 @@ class TieredKVCache(KVCache):
 
     def _reserve(self) -> int:
         """Room for gathered histories: the layer computing now and the prefetched one."""
-        biggest = max((la.history_bytes() for la in self.tiered), default=0)
+        biggest = max((la.history_bytes() - sum(la.block_bytes[:self._hidden_blocks(la)])
+                       for la in self.tiered), default=0)
         return biggest * (2 if self.prefetch else 1)
 
     def _rebalance(self, fp: int | None = None) -> None:
@@ -393,6 +412,18 @@ class TieredKVCache(KVCache):
         dev = layer.device
         return {n: torch.cat([p[n].to(dev) for p in parts], dim=2) for n in parts[0]}
 
+    def _hidden_blocks(self, layer: TieredKVLayer) -> int:
+        """Sealed blocks outside the attention window (sliding policy), oldest first."""
+        if self.attention_window is None:
+            return 0
+        return max(0, len(layer.block_keys) - self.attention_window // self.block_tokens)
+
+    def _hidden_tokens(self, layer: TieredKVLayer) -> int:
+        return self._hidden_blocks(layer) * self.block_tokens
+
+    def _visible(self, layer: TieredKVLayer) -> list[str]:
+        return list(layer.block_keys[self._hidden_blocks(layer):])
+
     def _history_for(self, layer: TieredKVLayer) -> dict | None:
         snap = (len(layer.block_keys), layer.n_pending)
         got = self._inflight.pop(layer.layer_idx, None)
@@ -402,7 +433,7 @@ class TieredKVCache(KVCache):
         else:
             if got is not None:
                 got[1].future.result()
-            hist = self._gather(layer, list(layer.block_keys), layer.pending)
+            hist = self._gather(layer, self._visible(layer), layer.pending)
         self._staged = sum(_nb(t) for t in (hist or {}).values())
         fp = self.fp_bytes()
         self._rebalance(fp)
@@ -415,7 +446,7 @@ class TieredKVCache(KVCache):
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch")
                 with self._plock:
                     self.prefetch_stats.issued += 1
-                fut = self._pool.submit(self._gather, nxt, list(nxt.block_keys), nxt.pending)
+                fut = self._pool.submit(self._gather, nxt, self._visible(nxt), nxt.pending)
                 self._inflight[nxt.layer_idx] = ((len(nxt.block_keys), nxt.n_pending),
                                                  PrefetchHandle(fut, self.prefetch_stats, self._plock),
                                                  nxt.history_bytes())
