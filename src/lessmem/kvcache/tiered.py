@@ -7,7 +7,10 @@ A sealed block goes into a :class:`~lessmem.offload.TierStack` whose first tier 
 *device* tier (a byte budget) and whose lower tiers are what ``tiers`` names (host RAM,
 a disk directory, Redis). Policy: the sinks, the window, the partly filled block and the
 most recent sealed blocks stay on the device within ``device_budget``; older blocks are
-demoted down the tiers (write-back, or written through to every tier).
+demoted down the tiers (write-back, or written through to every tier) and fetched back
+for attention. With ``attention_window=W`` (sliding policy) attention only reads the
+blocks covering the last W tokens plus the window; older blocks stay in the tiers for
+prefix reuse across requests and restarts, and decoding never reads them.
 
 Attention reads the history through ``read_history()`` (the layer's one read point):
 the blocks of the layer are gathered from wherever they live and concatenated in order,
