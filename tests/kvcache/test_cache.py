@@ -11,13 +11,13 @@ import lessmem
 from lessmem.kvcache import PRESETS, KVCache, KVConfig, enable
 
 QUANTIZED = [p for p in PRESETS if p != "fp16"]
-CHUNKS = [150, 1, 1, 33, 7, 64, 1]  # prefill, single tokens, chunks; rest in one piece
+CHUNKS = [100, 1, 1, 33, 7, 40, 1, 5, 1]  # prefill, single tokens, chunks; rest in one piece
 
 
 @pytest.mark.parametrize("arch,sliding", [("llama", None), ("qwen2", 48), ("mistral", 48)])
 def test_fp16_preset_equals_dynamic_cache(arch, sliding):
     model = tiny(arch, sliding)
-    ids, mask = left_padded_ids(2, 300, [0, 23])
+    ids, mask = left_padded_ids(2, 230, [0, 23])
     ref = run_chunks(model, ids, DynamicCache(config=model.config), CHUNKS, mask)
     for fused in (False, True):
         cache = KVCache(model.config, "fp16")
@@ -28,12 +28,12 @@ def test_fp16_preset_equals_dynamic_cache(arch, sliding):
             got = run_chunks(model, ids, cache, CHUNKS, mask)
         valid = mask.bool()
         torch.testing.assert_close(got[valid], ref[valid], atol=1e-5, rtol=1e-5)
-        assert cache.get_seq_length() == 300
+        assert cache.get_seq_length() == 230
 
 
 @pytest.mark.parametrize("preset", QUANTIZED)
 def test_fused_equals_reference_path(llama, preset):
-    ids, mask = left_padded_ids(2, 330, [0, 37], seed=1)
+    ids, mask = left_padded_ids(2, 260, [0, 37], seed=1)
     ref = run_chunks(llama, ids, KVCache(llama.config, preset, attention="reference"), CHUNKS, mask)
     with enable(llama):
         cache = KVCache(llama.config, preset)
@@ -49,7 +49,7 @@ def test_fused_equals_reference_path(llama, preset):
 def test_sliding_window_models(arch, sliding, mode):
     model = tiny(arch, sliding)
     cfg = PRESETS["kivi-4"].replace(sliding=mode)
-    ids, mask = left_padded_ids(2, 260, [0, 11], seed=2)
+    ids, mask = left_padded_ids(2, 230, [0, 11], seed=2)
     ref = run_chunks(model, ids, KVCache(model.config, cfg, attention="reference"), CHUNKS, mask)
     with enable(model):
         got = run_chunks(model, ids, KVCache(model.config, cfg), CHUNKS, mask)
@@ -61,7 +61,7 @@ def test_sliding_window_models(arch, sliding, mode):
 
 
 def test_quantized_caches_stay_close_to_dynamic(llama):
-    ids, mask = left_padded_ids(1, 400, [0], seed=3)
+    ids, mask = left_padded_ids(1, 300, [0], seed=3)
     dyn = run_chunks(llama, ids, DynamicCache(), CHUNKS, mask)
     errs = {}
     with enable(llama):

@@ -12,14 +12,16 @@ from lessmem.kvcache.block import KVBlock
 from lessmem.plan.kv import kv_bytes
 
 
-def _fill(cache, n_tokens, layers, kv_heads=3, head_dim=64, chunks=(1000, 1, 1, 7)):
+def _fill(cache, n_tokens, layers, kv_heads=3, head_dim=64, chunks=(1000, 1, 7)):
     g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 1, kv_heads, n_tokens, head_dim, generator=g)
     sizes = [c for c in chunks if c and c < n_tokens // 2]
     sizes.append(n_tokens - sum(sizes))
+    s = 0
     for n in sizes:
         for i in range(layers):
-            k = torch.randn(1, kv_heads, n, head_dim, generator=g)
-            cache.update(k, torch.randn(1, kv_heads, n, head_dim, generator=g), i)
+            cache.update(kv[0, :, :, s:s + n], kv[1, :, :, s:s + n], i)
+        s += n
 
 
 def _smollm_config():
@@ -31,19 +33,28 @@ class _Dims:
     layers, kv_heads, head_dim = 30, 3, 64
 
 
+_FILLED: dict = {}
+
+
+def _filled(preset):
+    """A smollm2-shaped cache holding 4096 tokens (built once per preset)."""
+    if preset not in _FILLED:
+        cache = KVCache(_smollm_config(), preset, attention="fused")  # update() returns views
+        _fill(cache, 4096, 30)
+        _FILLED[preset] = cache
+    return _FILLED[preset]
+
+
 @pytest.mark.parametrize("preset", ["best-4", "kivi-2", "int8", "best-2"])
 def test_planner_matches_measured_bytes_smollm2(preset):
-    cache = KVCache(_smollm_config(), preset)
-    _fill(cache, 4096, 30)
-    mem = cache.memory()
+    mem = _filled(preset).memory()
     plan = kv_bytes(_Dims(), 4096, 1, PRESETS[preset].to_plan(preset))
     assert abs(plan["total"] - mem["total"]) <= 0.02 * mem["total"]
     assert mem["fp16_equivalent"] == plan["fp16"]
 
 
 def test_memory_is_summed_from_tensors_and_bits_match_config():
-    cache = KVCache(_smollm_config(), "best-4")
-    _fill(cache, 4096, 30)
+    cache = _filled("best-4")
     mem = cache.memory()
     held = 0
     for layer in cache.layers:
@@ -58,7 +69,7 @@ def test_memory_is_summed_from_tensors_and_bits_match_config():
 
 
 def test_fp16_preset_holds_model_dtype():
-    cache = KVCache(_smollm_config(), "fp16")
+    cache = KVCache(_smollm_config(), "fp16", attention="fused")
     _fill(cache, 200, 30)
     mem = cache.memory()
     assert mem["codes"] == 0 and mem["window"] == 200 * 30 * 3 * 64 * 2 * 4  # fp32 inputs

@@ -110,10 +110,12 @@ def _pack_rows(u: torch.Tensor, bits: int) -> torch.Tensor:
     B, H, T, D = u.shape
     if bits == 8:
         return u.contiguous()
-    if bits in (2, 4):
-        per = 8 // bits
-        inter = u.reshape(B, H, T, per, D // per).transpose(-1, -2)  # [.., D/p, p]
-        return pack_bits(inter.reshape(-1), bits).view(B, H, T, D * bits // 8)
+    if bits in (2, 4):  # byte j = Σ_i code[i·D/p + j] << (bits·i)
+        per, n = 8 // bits, D // (8 // bits)
+        out = u[..., :n].clone()
+        for i in range(1, per):
+            out |= u[..., i * n:(i + 1) * n] << (bits * i)
+        return out
     return pack_bits(u.reshape(-1), bits).view(B, H, T, D * bits // 8)
 
 

@@ -30,7 +30,7 @@ from ..kernels.attention import QuantKV, QuantSide
 from .block import KVBlock
 from .codec import check_head_dim, encode, lut
 from .config import KVConfig, KVTensorConfig
-from .view import LayerView
+from .view import LayerView, _rot_matrix
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -137,10 +137,10 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         kf, vf = k.float(), v.float()
-        if self.rot_k is not None:
-            kf = self.rot_k.rotate(kf)
+        if self.rot_k is not None:  # rotate(x) = x @ Rᵀ (dense matmul: faster than the FWHT loop)
+            kf = kf @ _rot_matrix(self.rot_k, kf.device)
         if self.rot_v is not None:
-            vf = self.rot_v.rotate(vf)
+            vf = vf @ _rot_matrix(self.rot_v, vf.device)
         ek, ev = encode(kf, self.kspec), encode(vf, self.vspec)
         out = {"k_codes": ek.codes, "k_scale": ek.scale, "v_codes": ev.codes, "v_scale": ev.scale}
         if ek.zero_point is not None:
