@@ -49,3 +49,20 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "lessmem_quant.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="format='other'"):
         load_quantized(tmp_path)
+
+
+def test_tied_embeddings_stored_once(tmp_path):
+    from safetensors.torch import load_file
+
+    m = tiny_random("llama")
+    m.config.tie_word_embeddings = True
+    m.lm_head.weight = m.model.embed_tokens.weight
+    lessmem.quantize_(m, lessmem.RTNConfig(bits=4, group_size=32), progress=False)
+    lessmem.save_quantized(m, tmp_path)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
+    m2, _ = load_quantized(tmp_path)
+    assert m2.lm_head.weight.data_ptr() == m2.model.embed_tokens.weight.data_ptr()
+    x = torch.randint(0, 256, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, m2(x).logits)

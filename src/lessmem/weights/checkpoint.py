@@ -5,7 +5,7 @@ Format (a directory):
 - ``lessmem_quant.json`` — ``{"format": "lessmem-quant", "version": 1, "architecture":
   "<transformers class>", "model_config": {...}, "quantization": {method config},
   "modules": {name: {"bits", "group_size", "symmetric", "act_bits", "in_features",
-  "out_features", "bias"}}}``
+  "out_features", "bias"}}, "tied": {key: stored key}}`` (tied tensors stored once)
 - ``model.safetensors`` — every float parameter/buffer of the model except the quantized
   linears, plus per quantized linear ``<name>.qweight`` (codes ``u [N, K]`` packed with
   ``formats.packing.pack_bits``: little-endian bit stream, row-major), ``<name>.scale``
@@ -69,18 +69,21 @@ def save_quantized(model, directory, tokenizer=None) -> None:
             continue
         tensors[key] = t
     seen: dict[int, str] = {}
-    for key in list(tensors):  # safetensors refuses shared storage (tied embeddings)
+    tied: dict[str, str] = {}
+    for key in list(tensors):  # tied tensors (lm_head = embeddings) are stored once
         ptr = tensors[key].data_ptr()
-        tensors[key] = tensors[key].detach().contiguous()
         if ptr in seen:
-            tensors[key] = tensors[key].clone()
+            tied[key] = seen[ptr]
+            del tensors[key]
+            continue
         seen[ptr] = key
+        tensors[key] = tensors[key].detach().contiguous()
     save_file(tensors, str(d / WEIGHTS))
     meta = {"format": "lessmem-quant", "version": 1,
             "architecture": type(model).__name__,
             "model_config": model.config.to_dict(),
             "quantization": getattr(model, "_lessmem_quant", None),
-            "modules": modules}
+            "modules": modules, "tied": tied}
     (d / MARKER).write_text(json.dumps(meta, indent=1, default=str))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(d))
@@ -113,6 +116,10 @@ def load_quantized(directory):
         q = QuantLinear.from_quantized(qw, bias, spec["act_bits"])
         set_module(model, name, q)
         qkeys.update(f"{name}.{key}" for key in q.state_dict())
+    tied = meta.get("tied", {})
+    for key, src in tied.items():  # re-tie what save_quantized stored once
+        if key not in tensors and src in tensors:
+            tensors[key] = tensors[src]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [key for key in missing if key not in qkeys]
     if missing or unexpected:
