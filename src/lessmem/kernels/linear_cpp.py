@@ -36,6 +36,10 @@ _SOURCE = r"""
 #include <vector>
 #include <cstdint>
 
+// Small layers run on one thread: a parallel region's wake-up and barrier cost more than
+// the work below ~4M weights (and much more on a machine shared with other jobs).
+#define PAR_MIN_WORK 4194304
+
 static inline float dotf(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
   #pragma omp simd reduction(+:acc)
@@ -52,8 +56,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const bool par = N * K * M >= PAR_MIN_WORK;
   if (M == 1) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(par)
     for (int64_t n = 0; n < N; ++n) {
       const int8_t* wr = wp + n * K;
       float acc = 0.f;
@@ -63,7 +68,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
     }
     return y;
   }
-  #pragma omp parallel
+  #pragma omp parallel if(par)
   {
     std::vector<float> buf(K);
     #pragma omp for schedule(static)
@@ -87,7 +92,7 @@ torch::Tensor w8a8_linear(torch::Tensor xq, torch::Tensor sx, torch::Tensor w, t
   const float* sxp = sx.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  #pragma omp parallel for schedule(static)
+  #pragma omp parallel for schedule(static) if(N * K * M >= PAR_MIN_WORK)
   for (int64_t n = 0; n < N; ++n) {
     const int8_t* wr = wp + n * K;
     for (int64_t m = 0; m < M; ++m) {
@@ -117,7 +122,7 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const float* sp, cons
     for (int64_t g = 0; g < G; ++g)
       for (int64_t jj = 0; jj < JG; ++jj)
         for (int p = 0; p < P; ++p) xg[m * K + g * gs + p * JG + jj] = x[m * K + g * gs + jj * P + p];
-  #pragma omp parallel
+  #pragma omp parallel if(N * K * M >= PAR_MIN_WORK)
   {
     std::vector<float> buf(K);                          // one row's codes as floats, phase-major per group
     std::vector<uint32_t> wv(JG);
