@@ -96,7 +96,9 @@ def run(args) -> int:
         gen.update(temperature=None, top_p=None, top_k=None)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         gen["pad_token_id"] = tok.eos_token_id
-    with torch.inference_mode():
+    from lessmem.kvcache import enable
+
+    with torch.inference_mode(), enable(model):  # fused attention over the quantized blocks
         out = model.generate(**enc, **{cache_kwarg(model): cache}, **gen)
     n_new = out.shape[1] - enc["input_ids"].shape[1]
     mem = measure_memory(cache)

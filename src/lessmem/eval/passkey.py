@@ -94,6 +94,15 @@ def passkey_prompt(tok, n_tokens: int, depth: float, passkey: int) -> PasskeyPro
 def retrieve(model, tok, prompt: PasskeyPrompt, cache, *, prefill_chunk: int = 512,
              answer_tokens: int = 8) -> tuple[bool, str]:
     """Prefill ``prompt`` through ``cache`` in chunks, decode greedily; (found, answer)."""
+    from lessmem.kvcache import KVCache, enable
+
+    if not isinstance(cache, KVCache):  # peers and DynamicCache: the model as it is
+        return _retrieve(model, tok, prompt, cache, prefill_chunk, answer_tokens)
+    with enable(model):  # lessmem caches attend through the fused kernel
+        return _retrieve(model, tok, prompt, cache, prefill_chunk, answer_tokens)
+
+
+def _retrieve(model, tok, prompt, cache, prefill_chunk, answer_tokens) -> tuple[bool, str]:
     kw = cache_kwarg(model)
     device = next(model.parameters()).device
     ids = prompt.input_ids.to(device)

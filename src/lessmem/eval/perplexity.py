@@ -142,6 +142,17 @@ def evaluate(
         >>> r[0]["tokens_scored"], r[0]["prefill"], r[0]["top1"]
         (24, 8, 1.0)
     """
+    # lessmem caches attend through the fused kernel over their quantized blocks (never
+    # inflating the history); other caches still go through SDPA. Undone on return.
+    from lessmem.kvcache import enable
+
+    with enable(model):
+        return _evaluate(model, tok, configs, text, windows, window_len, chunk, progress,
+                         model_name, text_name, time_budget_s)
+
+
+def _evaluate(model, tok, configs, text, windows, window_len, chunk, progress, model_name,
+              text_name, time_budget_s) -> list[dict]:
     check_protocol(windows, window_len, chunk)
     specs = resolve_configs(configs)
     base = [s for s in specs if s.name == BASELINE] or resolve_configs([BASELINE])
