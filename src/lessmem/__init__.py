@@ -30,6 +30,7 @@ _LAZY = {
     # kv cache
     "KVCache": "lessmem.kvcache",
     "KVConfig": "lessmem.kvcache",
+    "TieredKVCache": "lessmem.kvcache.tiered",
     # weights
     "quantize_": "lessmem.weights",
     "save_quantized": "lessmem.weights",

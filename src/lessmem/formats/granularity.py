@@ -39,6 +39,24 @@ def _norm_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
+def _blocks_along(shape, axis: int, size: int, group: int, what: str):
+    """Layout for contiguous blocks of ``size`` along ``axis``, viewed as groups of ``group``:
+    move ``axis`` last, then ``[numel / group, group]``."""
+    nd = len(shape)
+    ax = _norm_axis(axis, nd)
+    n = shape[ax]
+    if n % size:
+        raise ValueError(
+            f"{what} {size} does not divide axis {axis} of length {n} "
+            f"(shape {tuple(shape)}); choose a size that divides {n} or pad the tensor"
+        )
+    perm = tuple([i for i in range(nd) if i != ax] + [ax])
+    numel = 1
+    for s in shape:
+        numel *= s
+    return perm, numel // group, group
+
+
 @dataclass(frozen=True)
 class GroupMeta:
     """What ``ungroup`` needs to undo ``group``."""
@@ -153,19 +171,7 @@ class PerGroup(Granularity):
             raise ValueError(f"group size={self.size!r} must be a positive integer")
 
     def _layout(self, shape):
-        nd = len(shape)
-        ax = _norm_axis(self.axis, nd)
-        n = shape[ax]
-        if n % self.size:
-            raise ValueError(
-                f"group size {self.size} does not divide axis {self.axis} of length {n} "
-                f"(shape {tuple(shape)}); choose a size that divides {n} or pad the tensor"
-            )
-        perm = tuple([i for i in range(nd) if i != ax] + [ax])
-        numel = 1
-        for s in shape:
-            numel *= s
-        return perm, numel // self.size, self.size
+        return _blocks_along(shape, self.axis, self.size, self.size, "group size")
 
 
 @dataclass(frozen=True)
@@ -197,16 +203,4 @@ class SuperBlock(Granularity):
         return self.size // self.sub
 
     def _layout(self, shape):
-        nd = len(shape)
-        ax = _norm_axis(self.axis, nd)
-        n = shape[ax]
-        if n % self.size:
-            raise ValueError(
-                f"super-block size {self.size} does not divide axis {self.axis} of length {n} "
-                f"(shape {tuple(shape)}); choose a size that divides {n} or pad the tensor"
-            )
-        perm = tuple([i for i in range(nd) if i != ax] + [ax])
-        numel = 1
-        for s in shape:
-            numel *= s
-        return perm, numel // self.sub, self.sub
+        return _blocks_along(shape, self.axis, self.size, self.sub, "super-block size")
