@@ -77,8 +77,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(kv + wt, indent=2, default=str))
         return 0
-    from rich.console import Console
     from rich.table import Table
+
+    from lessmem._console import console as make_console
 
     table = Table(title=f"KV-cache presets (effective bits at head_dim {args.head_dim})")
     for col in ("name", "keys", "values", "window", "sinks", "rot", "K bits", "V bits"):
@@ -87,7 +88,7 @@ def run(args) -> int:
     for r in kv:
         table.add_row(r["name"], r["keys"], r["values"], str(r["window"]), str(r["sinks"]), r["rotation"],
                       f"{r['k_bits']:.3f}", f"{r['v_bits']:.3f}")
-    console = Console()
+    console = make_console()
     console.print(table)
     console.print("see `lessmem presets --json` for descriptions and full configs")
     if wt:

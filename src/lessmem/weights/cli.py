@@ -72,15 +72,16 @@ def _print(report: dict, as_json: bool) -> None:
         print(json.dumps(report, indent=1, default=str))
         return
     try:
-        from rich.console import Console
         from rich.table import Table
+
+        from lessmem._console import console
 
         t = Table(title="lessmem quantize")
         t.add_column("field")
         t.add_column("value")
         for k, v in report.items():
             t.add_row(k, json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))
-        Console().print(t)
+        console().print(t)
     except ImportError:
         for k, v in report.items():
             print(f"{k}: {v}")
