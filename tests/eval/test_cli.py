@@ -92,3 +92,28 @@ def test_generate_bad_input_exit_2(model_dir, capsys):
     assert "unknown KV config 'int9'" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", str(model_dir), "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens=0; allowed" in capsys.readouterr().err
+
+
+def test_generate_offloads_blocks_to_the_named_tier(model_dir, capsys, tmp_path):
+    store = tmp_path / "kv"
+    prompt = " ".join(f"w{i % 50}" for i in range(700))  # long enough to seal blocks
+    rc = main(["generate", prompt, "--model", str(model_dir), "--kv", "int4", "--raw",
+               "--max-new-tokens", "4", "--offload", f"disk:{store}", "--kv-budget", "100KiB"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    tiers = out.split("tiers: ", 1)[1].splitlines()[0]
+    assert tiers.startswith("device") and "disk " in tiers
+    assert not tiers.endswith("disk 0 B"), out  # quantized blocks went down to disk
+
+
+def test_generate_offload_bad_input_exit_2(model_dir, capsys):
+    assert main(["generate", "hi", "--model", str(model_dir), "--kv-budget", "1MiB"]) == 2
+    assert "needs --offload" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(model_dir), "--kv", "dynamic",
+                 "--offload", "host"]) == 2
+    assert "needs a lessmem preset" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(model_dir), "--offload", "floppy"]) == 2
+    assert "offload tier 'floppy' is not understood" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(model_dir), "--offload", "host",
+                 "--kv-budget", "lots"]) == 2
+    assert "lots" in capsys.readouterr().err

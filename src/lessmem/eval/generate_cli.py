@@ -3,8 +3,13 @@
 The chat template is applied when the tokenizer has one (``--raw`` feeds the prompt
 as is). At the end the KV bytes held are printed by part.
 
+With ``--offload`` (and optionally ``--kv-budget``) the cache is a ``TieredKVCache``:
+the quantized blocks beyond the device budget go down the named tiers, and the bytes
+held per tier are printed at the end.
+
 Example:
     $ lessmem generate "Why is the sky blue?" --kv int4 --max-new-tokens 64
+    $ lessmem generate "Why is the sky blue?" --kv int4 --kv-budget 1MiB --offload host,disk:/tmp/kv
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--offload", default=None,
+                   help="tiers below the device for a lessmem preset, e.g. host,disk:/path,redis://127.0.0.1:6379/0")
+    p.add_argument("--kv-budget", default=None,
+                   help="device bytes for the KV cache with --offload, e.g. 64MiB (default: no limit)")
 
 
 def _format_bytes(n: float) -> str:
@@ -67,6 +76,7 @@ def run(args) -> int:
         raise ValueError(f"--temperature={args.temperature}, --top-p={args.top_p}; allowed: "
                          "temperature > 0 and 0 < top-p <= 1")
     spec = resolve_config(args.kv)  # fails before the model loads
+    tiered = _tiered_options(args, spec)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads={args.threads}; allowed: an integer >= 1")
@@ -86,7 +96,12 @@ def run(args) -> int:
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(args.prompt, return_tensors="pt")
-    cache = spec.make(model.config)
+    if tiered is None:
+        cache = spec.make(model.config)
+    else:
+        from lessmem.kvcache.tiered import TieredKVCache
+
+        cache = TieredKVCache(model.config, args.kv, **tiered)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
     if args.sample:
@@ -105,4 +120,30 @@ def run(args) -> int:
     print(f"\n--- KV cache {spec.name}: {enc['input_ids'].shape[1]} prompt + {n_new} new tokens")
     for line in memory_lines(mem):
         print(line)
+    if tiered is not None:
+        budget = mem.get("device_budget")
+        print(f"device {_format_bytes(mem.get('device_bytes', 0))} held, peak "
+              f"{_format_bytes(mem.get('device_peak', 0))}, budget "
+              f"{_format_bytes(budget) if budget else 'none'}; tiers: "
+              + ", ".join(f"{k} {_format_bytes(v)}" for k, v in mem.get("tiers", {}).items()))
+        if budget and mem.get("device_peak", 0) > budget:
+            print(f"note: the device held more than --kv-budget: the window and sinks "
+                  f"({_format_bytes(mem.get('window', 0) + mem.get('sinks', 0))}) always stay resident")
+        cache.close()
     return 0
+
+
+def _tiered_options(args, spec) -> dict | None:
+    """Keyword arguments for ``TieredKVCache`` from --offload/--kv-budget, or None."""
+    if args.offload is None and args.kv_budget is None:
+        return None
+    if args.offload is None:
+        raise ValueError(f"--kv-budget={args.kv_budget} needs --offload TIERS "
+                         "(e.g. host or host,disk:/path) for what does not fit")
+    if spec.kind != "lessmem":
+        raise ValueError(f"--offload needs a lessmem preset for --kv, got {args.kv!r}; "
+                         "allowed: the names `lessmem presets` lists")
+    from lessmem.offload import build_tiers, parse_bytes
+
+    budget = parse_bytes(args.kv_budget) if args.kv_budget is not None else None
+    return {"tiers": build_tiers(args.offload), "device_budget": budget}
