@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from lessmem._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -43,15 +43,4 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'lessmem' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from lessmem._lazy import lazy_exports
 
 _LAZY = {
     "evaluate": "lessmem.eval.perplexity",
@@ -28,15 +28,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'lessmem.eval' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
