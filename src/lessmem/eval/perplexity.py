@@ -94,15 +94,24 @@ class _Acc:
         self.seconds = 0.0
         self.mem: list[dict] = []
 
-    def add(self, logits, base_logp, base_top, targets):
-        # logits [T, V] of this config; base_logp [T, V] baseline log-probs (float64, so
-        # that small KLDs do not drown in float32 rounding); targets [T]
-        logq = torch.log_softmax(logits.double(), dim=-1)
+    def add(self, logits, base: _Baseline, targets):
+        # logits [T, V] of this config; targets [T]
+        logq = base.logp if logits is base.logits else torch.log_softmax(logits.double(), dim=-1)
         self.nll -= float(logq.gather(-1, targets[:, None]).sum())
-        p = base_logp.exp()
-        self.kld += float((p * (base_logp - logq)).sum(-1).clamp_min(0).sum())
-        self.top1 += int((logq.argmax(-1) == base_top).sum())
+        self.kld += float((base.p * (base.logp - logq)).sum(-1).clamp_min(0).sum())
+        self.top1 += int((logq.argmax(-1) == base.top).sum())
         self.n += targets.numel()
+
+
+class _Baseline:
+    """The baseline's next-token distribution for one step, computed once for every config:
+    log-probs in float64 (so small KLDs do not drown in float32 rounding), probs, top-1."""
+
+    def __init__(self, logits):
+        self.logits = logits  # [T, V]
+        self.logp = torch.log_softmax(logits.double(), dim=-1)
+        self.p = self.logp.exp()
+        self.top = self.logp.argmax(-1)
 
 
 def _mean_mem(mems: list[dict]) -> dict:
@@ -172,14 +181,12 @@ def _evaluate(model, tok, configs, text, windows, window_len, chunk, progress, m
         ids = ids_all[w : w + 1].to(device)  # [1, N]
         caches = {s.name: s.make(model.config) for s in specs}
         # prefill: last logits predict token P
-        base_logp = base_top = None
+        base = None
         for s in specs:
             out = model(ids[:, :P], **{kw: caches[s.name]}, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1:]  # [1, V]
-            if base_logp is None:
-                base_logp = torch.log_softmax(logits.double(), -1)
-                base_top = base_logp.argmax(-1)
-            accs[s.name].add(logits, base_logp, base_top, ids[0, P : P + 1])
+            base = base or _Baseline(logits)
+            accs[s.name].add(logits, base, ids[0, P : P + 1])
         done += 1
         if progress:
             progress(done, total)
@@ -188,7 +195,7 @@ def _evaluate(model, tok, configs, text, windows, window_len, chunk, progress, m
             x = ids[:, st:en]  # [1, c]
             targets = ids[0, st + 1 : en + 1]  # the last chunk's last logit has no target
             n_t = targets.numel()
-            base_logp = base_top = None
+            base = None
             for s in specs:
                 acc = accs[s.name]
                 t0 = time.perf_counter()
@@ -198,10 +205,8 @@ def _evaluate(model, tok, configs, text, windows, window_len, chunk, progress, m
                 logits = out.logits[0, :n_t]  # [n_t, V]
                 if n_t == 0:
                     continue
-                if base_logp is None:
-                    base_logp = torch.log_softmax(logits.double(), -1)
-                    base_top = base_logp.argmax(-1)
-                acc.add(logits, base_logp, base_top, targets)
+                base = base or _Baseline(logits)
+                acc.add(logits, base, targets)
             done += 1
             if progress:
                 progress(done, total)
