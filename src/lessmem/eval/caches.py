@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import inspect
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from lessmem.kvcache.cache import cache_kwarg  # noqa: F401  (re-exported for eval callers)
 
 BASELINE = "dynamic"
 PEERS = {
@@ -160,12 +161,6 @@ def resolve_configs(configs) -> list[CacheSpec]:
 
 def _to_dict(cfg):
     return cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)
-
-
-def cache_kwarg(model) -> str:
-    """The keyword the model's forward takes the cache under (``cache`` in newer transformers)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 # ----------------------------------------------------------------------------- bytes

@@ -28,6 +28,15 @@ from .presets import resolve
 ATTENTION_MODES = ("auto", "fused", "reference")
 
 
+def cache_kwarg(model) -> str:
+    """The keyword the model's forward takes the cache under (``cache`` on newer
+    transformers, ``past_key_values`` before)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _layer_types(model_config) -> list[str]:
     n = model_config.num_hidden_layers
     types = getattr(model_config, "layer_types", None)

@@ -69,7 +69,7 @@ from ..offload import (
     sequence_hash,
 )
 from ..offload.stack import PrefetchStats
-from .cache import KVCache, quantized_layers
+from .cache import KVCache, cache_kwarg, quantized_layers
 from .config import KVConfig
 from .layer import QuantizedKVLayer, _side
 
@@ -192,12 +192,8 @@ class TieredKVLayer(QuantizedKVLayer):
 
 
 def cache_kwargs(model, cache) -> dict:
-    """Forward kwargs passing ``cache`` (``cache=`` on transformers >= 5.2x, else
-    ``past_key_values=``)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    """Forward kwargs passing ``cache`` under :func:`cache_kwarg`, with ``use_cache``."""
+    return {cache_kwarg(model): cache, "use_cache": True}
 
 
 def _tiers_from(tiers) -> list[Tier]:
