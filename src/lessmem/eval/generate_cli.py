@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+from lessmem.plan.units import fmt_bytes
+
 HELP = "generate text with a quantized KV cache"
 
 
@@ -36,11 +38,7 @@ def add_arguments(p) -> None:
 
 
 def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n}"
+    return fmt_bytes(n, both=False)
 
 
 def memory_lines(mem: dict) -> list[str]:
