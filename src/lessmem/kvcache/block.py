@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 # names of the tensors a block may hold (scale/zero point rows are per token group)
-PARTS = ("k_codes", "k_scale", "k_zero_point", "v_codes", "v_scale", "v_zero_point")
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,6 @@ def lut(spec: KVTensorConfig, device=None) -> torch.Tensor:
     return t if device is None or t.device == torch.device(device) else t.to(device)
 
 
-def row_bytes(spec: KVTensorConfig, head_dim: int) -> int:
-    return head_dim * spec.bits // 8
-
-
 def check_head_dim(spec: KVTensorConfig, head_dim: int) -> None:
     if not spec.quantized:
         return

@@ -90,11 +90,6 @@ class KVPrecision:
         if self.quality not in QUALITY:
             raise ValueError(f"KV precision {self.name!r}: quality={self.quality!r}; allowed: {QUALITY}")
 
-    @property
-    def has_metadata(self) -> bool:
-        return bool(self.k_scale_bytes or self.v_scale_bytes or self.k_zero_point_bytes
-                    or self.v_zero_point_bytes or self.window or self.sinks or self.skip_layers)
-
     def to_dict(self) -> dict:
         return asdict(self)
 
