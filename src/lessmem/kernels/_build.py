@@ -22,11 +22,25 @@ import warnings
 
 _LOCK = threading.Lock()
 _MODULES: dict[str, object] = {}
+# (name, source, flags) -> module: callers ask on every forward, so the answer must not
+# cost a sha256 of the source each time (Python caches the hash of a str).
+_LOADED: dict[tuple, object] = {}
+_MISSING = object()
 
 
 def load_cpp(name: str, source: str, functions: list[str], extra_cflags: list[str] | None = None):
     if os.environ.get("LESSMEM_NO_CPP") == "1":
         return None
+    fast_key = (name, source, tuple(extra_cflags or ()))
+    mod = _LOADED.get(fast_key, _MISSING)
+    if mod is not _MISSING:
+        return mod
+    mod = _load(name, source, functions, extra_cflags)
+    _LOADED[fast_key] = mod
+    return mod
+
+
+def _load(name: str, source: str, functions: list[str], extra_cflags: list[str] | None):
     import torch
 
     key = hashlib.sha256((source + torch.__version__ + str(extra_cflags)).encode()).hexdigest()[:12]
