@@ -3,10 +3,11 @@
 The op computes ``y = x @ W.T`` with ``W[n, k] = s[n, g]·(q[n, k] − 8) + z[n, g]``
 (``g = k // group_size``), ``q`` the 4-bit codes in a CPU-specific packed layout made by
 ``_convert_weight_to_int4pack_for_cpu(q [N, K] int32, inner_k_tiles)``, and
-``qScaleAndZeros [K/gs, N, 2]``. Measured here (2 cores, torch 2.13): with **bf16**
-activations and scales the op is ~7x faster than an fp32 ``nn.Linear`` at 4096×4096,
-batch 1; with fp32 or fp16 activations it is ~4x *slower*, so activations are cast to
-bf16 (the reference twin rounds them the same way). Group sizes 32/64/128/256.
+``qScaleAndZeros [K/gs, N, 2]``. With **bf16** activations and scales the op is 6.1x
+faster than an fp32 ``nn.Linear`` at 4096×4096, batch 1, 2 threads (3.6x on 1 thread;
+``benchmarks/results/bench_linear.json``); with fp32 or fp16 activations it was slower
+than fp32 in a one-off check during development (not benchmarked), so activations are
+cast to bf16 (the reference twin rounds them the same way). Group sizes 32/64/128/256.
 
 Our codes use the affine form ``W = s·(u − zp)``, so ``z = s·(8 − zp)``.
 
