@@ -4,15 +4,24 @@ from lessmem.offload import DiskTier, HostTier, RedisTier, TierSpec, parse_bytes
 
 
 @pytest.mark.parametrize("text,n", [("64MiB", 64 << 20), ("1.5GB", 1_500_000_000), ("512", 512),
-                                    ("2k", 2048), ("3 GiB", 3 << 30), (7, 7), ("10b", 10)])
+                                    ("2k", 2048), ("3 GiB", 3 << 30), (7, 7), ("10b", 10),
+                                    ("2G", 2 << 30), ("2GB", 2_000_000_000), ("1e3", 1000)])
 def test_parse_bytes(text, n):
     assert parse_bytes(text) == n
 
 
-@pytest.mark.parametrize("bad", ["", "MiB", "12 parsecs", "-1", "1e3", True, -5])
+@pytest.mark.parametrize("bad", ["", "MiB", "12 parsecs", "-1", True, -5, "iB4"])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(ValueError, match="size"):
         parse_bytes(bad)
+
+
+def test_one_size_rule_for_offload_and_plan():
+    """--kv-budget 2G means the same bytes to generate/eval (offload) and plan (units)."""
+    from lessmem.plan import units
+
+    assert parse_bytes is units.parse_bytes
+    assert parse_offload_spec("host@2G")[0].capacity == units.parse_bytes("2GiB") == 2 << 30
 
 
 def test_parse_offload_spec(tmp_path):

@@ -8,6 +8,9 @@ from lessmem.plan.units import fmt_bytes, fmt_rate, fmt_time, parse_bytes, parse
 @pytest.mark.parametrize("text,value", [
     ("4GiB", 4 * 2**30), ("4 GiB", 4 * 2**30), ("4GB", 4_000_000_000), ("512MiB", 512 * 2**20),
     ("1.5KiB", 1536), ("1e9", 10**9), ("100", 100), (4096, 4096), ("2TiB", 2 * 2**40), ("7b", 7),
+    # one rule: KB decimal, KiB binary, a bare K/M/G/T binary (like free and docker)
+    ("2G", 2 * 2**30), ("2g", 2 * 2**30), ("2Gi", 2 * 2**30), ("64M", 64 * 2**20), ("16k", 16384),
+    ("1T", 2**40), ("2GB", 2_000_000_000), ("2gb", 2_000_000_000), ("3KB", 3000), ("3 kB", 3000),
 ])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
@@ -28,6 +31,8 @@ def test_parse_count_16k_is_16384():
     (parse_bytes, "lots", r"size='lots' is not a size; use a number with an optional unit"),
     (parse_bytes, "-4GiB", "must not be negative"),
     (parse_bytes, "4iB", "'i' needs a prefix"),
+    (parse_bytes, "4 parsecs", r"allowed units: B, KB/MB/GB/TB \(1000-based\), KiB/MiB/GiB/TiB"),
+    (parse_bytes, True, "size=True is not a size"),
     (parse_rate, "0GB/s", "must be positive"),
     (parse_rate, "fast", "is not a size"),
     (parse_count, "12.5", "is not a whole number"),

@@ -8,42 +8,26 @@
 - ``disk:PATH[@SIZE]``              a directory (created if missing)
 - ``redis://HOST:PORT/DB[@SIZE]``   a shared Redis store (``rediss://`` and ``unix://`` too)
 
-``@SIZE`` is a capacity in bytes (``parse_bytes`` syntax); without it the tier is
-unbounded (the device budget usually comes from ``--kv-budget``).
+``@SIZE`` is a capacity in bytes; without it the tier is unbounded (the device budget
+usually comes from ``--kv-budget``). Sizes follow :func:`lessmem.plan.units.parse_bytes`
+(one rule for every command): ``KB``/``MB``/``GB`` are 1000-based, ``KiB``/``MiB``/``GiB``
+and a bare ``K``/``M``/``G`` 1024-based.
 
 Example:
     >>> from lessmem.offload import parse_bytes, parse_offload_spec
-    >>> parse_bytes("64MiB"), parse_bytes("1.5 GB"), parse_bytes(4096)
-    (67108864, 1500000000, 4096)
+    >>> parse_bytes("64MiB"), parse_bytes("64M"), parse_bytes("1.5 GB"), parse_bytes(4096)
+    (67108864, 67108864, 1500000000, 4096)
     >>> [(s.kind, s.target, s.capacity) for s in parse_offload_spec("host@1GiB,disk:/tmp/kv")]
     [('host', None, 1073741824), ('disk', '/tmp/kv', None)]
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
+from lessmem.plan.units import parse_bytes  # the one size rule (torch-free); re-exported here
+
 KINDS = ("device", "host", "disk", "remote")
-
-
-def parse_bytes(text) -> int:
-    """``"64MiB"`` -> 67108864. Units: B, KB/MB/GB/TB (10^3), KiB/MiB/GiB/TiB and K/M/G/T (2^10)."""
-    if isinstance(text, bool):
-        raise ValueError(f"size {text!r} is not a byte count")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size {text!r} must be >= 0")
-        return text
-    m = _SIZE.fullmatch(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"size {text!r} is not understood; use a number with an optional unit "
-                         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, K, M, G, T), e.g. '64MiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pcie-bw", default=None, help="sustained host link bandwidth, e.g. 25GB/s")
     p.add_argument("--host-ram", default=None, help="host RAM for offloaded KV, e.g. 512GiB")
     p.add_argument("--nvme-bw", default=None, help="NVMe sustained read, e.g. 5GB/s")
-    p.add_argument("--kv-budget", default=None, help="device memory for the KV cache, e.g. 4GiB")
+    p.add_argument("--kv-budget", default=None,
+                   help="device memory for the KV cache, e.g. 4GiB (sizes: KB/MB/GB 1000-based, KiB/MiB/GiB "
+                        "and a bare K/M/G 1024-based, so 4G = 4GiB)")
     p.add_argument("--target-tps", default="25", help="target tokens/s, all requests together (default 25)")
     p.add_argument("--buffer", default=None, help="bytes for the transfer table (default: the KV budget)")
     p.add_argument("--json", action="store_true", help="print JSON in base units")

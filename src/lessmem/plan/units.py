@@ -1,13 +1,21 @@
 """Units: parse "4GiB", "25GB/s", "16k"; print bytes so GiB and GB cannot be confused.
 
-Binary prefixes (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones (KB, MB, GB,
-TB) powers of 1000, as the lecture defines them (1 KiB = 1,024 bytes) and as vendors
-quote bandwidth (1 GB/s = 10^9 bytes/s). A bare number is bytes (or tokens).
+One rule for every size lessmem reads (``--kv-budget``, ``--offload host@1GiB``,
+``--host-ram``, ``device_budget=``...), whichever command parses it:
+
+- ``KiB MiB GiB TiB PiB`` (and ``Ki Mi Gi Ti Pi``) are binary: powers of 1024;
+- ``KB MB GB TB PB`` are decimal: powers of 1000 (how vendors quote bandwidth and disks);
+- a bare prefix ``K M G T P`` is binary, as ``free``, docker (``--memory 2g``) and most
+  command-line tools mean it: ``2G`` = ``2GiB`` = 2,147,483,648 bytes;
+- ``B`` or no unit is bytes; prefixes and ``B`` are case-insensitive (``b`` is a byte,
+  never a bit); a number may have a fraction or an exponent (``1.5GiB``, ``1e9``).
+
+Rates (``parse_rate``) use the same rule with a trailing ``/s`` (``25GB/s`` = 25·10^9 B/s).
 
 Example:
     >>> from lessmem.plan.units import parse_bytes, parse_rate, fmt_bytes
-    >>> parse_bytes("4GiB"), parse_rate("25GB/s")
-    (4294967296, 25000000000.0)
+    >>> parse_bytes("4GiB"), parse_bytes("4G"), parse_bytes("4GB"), parse_rate("25GB/s")
+    (4294967296, 4294967296, 4000000000, 25000000000.0)
     >>> fmt_bytes(4 * 2**30)
     '4.00 GiB (4.29 GB)'
 """
@@ -25,29 +33,43 @@ KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.I)
 
 
-def _parse(text: str, what: str, allow_unitless: bool = True) -> float:
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+UNITS_HELP = ("B, KB/MB/GB/TB (1000-based), KiB/MiB/GiB/TiB (1024-based), "
+              "or a bare K/M/G/T (1024-based)")
+
+
+def _parse(text, what: str, allow_unitless: bool = True) -> float:
+    if isinstance(text, bool):
+        raise ValueError(f"{what}={text!r} is not a size; allowed: a number with an optional unit: {UNITS_HELP}")
+    if isinstance(text, (int, float)):
         value = float(text)
     else:
         m = _SIZE.match(str(text))
         if not m:
             raise ValueError(
                 f"{what}={text!r} is not a size; use a number with an optional unit "
-                "such as 4GiB, 512MiB, 16GB, 1e9 (KiB/MiB/GiB = 1024-based, KB/MB/GB = 1000-based)"
+                f"such as 4GiB, 512MiB, 16GB, 2G, 1e9; allowed units: {UNITS_HELP}"
             )
         num, prefix, binary, b = m.groups()
         if not allow_unitless and not (prefix or b):
             raise ValueError(f"{what}={text!r} needs a unit, e.g. 25GB/s")
         if binary and not prefix:
-            raise ValueError(f"{what}={text!r}: 'i' needs a prefix (KiB, MiB, GiB, TiB)")
-        value = float(num) * (BINARY if binary else DECIMAL)[prefix.lower()]
+            raise ValueError(f"{what}={text!r}: 'i' needs a prefix (KiB, MiB, GiB, TiB); allowed units: {UNITS_HELP}")
+        # KB (prefix + B, no i) is decimal; KiB, Ki and a bare K are binary
+        decimal = bool(prefix) and bool(b) and not binary
+        value = float(num) * (DECIMAL if decimal else BINARY)[prefix.lower()]
     if not math.isfinite(value):
         raise ValueError(f"{what}={text!r} must be finite")
     return value
 
 
 def parse_bytes(text, what: str = "size") -> int:
-    """Bytes from ``"4GiB"``, ``"16GB"``, ``"512MiB"``, ``"1e9"`` or a number; must be >= 0."""
+    """Bytes from ``"4GiB"``, ``"16GB"``, ``"2G"``, ``"512MiB"``, ``"1e9"`` or a number (>= 0),
+    by the module's one rule: ``KB`` 1000-based, ``KiB`` and a bare ``K`` 1024-based.
+
+    Example:
+        >>> parse_bytes("64MiB"), parse_bytes("64M"), parse_bytes("64MB"), parse_bytes("1.5 GiB")
+        (67108864, 67108864, 64000000, 1610612736)
+    """
     v = _parse(text, what)
     if v < 0:
         raise ValueError(f"{what}={text!r} must not be negative")
