@@ -1,22 +1,39 @@
-"""Weight-quantization quality table: Δppl, KLD, bits, size and decode speed vs fp32.
+"""Weight-quantization quality table: bits, size on disk, Δppl, KLD and decode speed vs fp32.
 
 Rows per model: fp32 reference; RTN, GPTQ, AWQ at 4-bit and 3-bit (g128); SmoothQuant
-W8A8; GGUF Q8_0, Q6_K, Q4_K_M, Q4_0 (llama.cpp mix rules, encoded and decoded in
-memory). Protocol: WikiText-2 raw **test** split, tokenized without special tokens, the
-first ``--windows`` consecutive windows of 512 tokens (``lessmem.eval.perplexity.
-make_windows``, the KV evaluator's windows), every token after the first of each window
-scored, KL(p_fp32 || q) averaged over the same tokens. Calibration: the first
-``n_samples`` windows of ``wiki.train.head.raw`` (never the test split).
+W8A8; GGUF Q8_0, Q6_K, Q4_K_M, Q4_0 (llama.cpp mix rules); HQQ 4-bit g128 when
+``lessmem.HQQConfig`` exists.
+
+Protocol (the KV evaluator's, ``lessmem.eval.perplexity``): WikiText-2 raw **test**
+split, tokenized without special tokens, cut by ``make_windows`` into the first
+``--windows`` consecutive windows of ``--window-len`` tokens (16 x 1024 by default);
+each window runs in one forward pass and the tokens after its first quarter
+(``P = window_len // 4``, the KV evaluator's prefill) are scored, so the fp32 row's ppl
+is the KV table's ``dynamic`` ppl. Per row, over exactly those tokens::
+
+    ppl = exp(mean -log q(x_t));  kld = mean KL(p_fp32 || q)  (float64, nats);  top1 agreement
+
+The fp32 logits of every window are written once to a temporary directory and read back
+per row (16 x 768 x 49152 floats do not belong in RAM next to the models).
+
+Columns: ``bpw_all_linears`` = 8 x bytes / weights over every linear incl. ``lm_head``
+(``bpw_block_linears``: the decoder blocks' linears only), bytes as held: QuantLinear
+buffers (codes, scales, zero points), GGUF tensors at their block size
+(``plan.gguf_rules.type_bytes``), float linears at 4 bytes; ``disk_bytes``: the file(s)
+written (``save_pretrained`` for fp32, ``save_quantized`` for lessmem rows, a GGUF file
+for GGUF rows: ``export_gguf`` of the built-in file, or a tensors-only GGUF written here
+for a model without a source .gguf); decode: greedy batch-1 decoding of
+``--decode-tokens`` tokens after a 32-token prompt, quantized and fp32 model timed
+alternately, ratio of medians. Calibration: the first ``n_samples`` windows of
+``--calib-len`` tokens of ``wiki.train.head.raw`` (never the test split).
 
 Models:
 - ``smollm2-135m`` (built-in): its file is already Q4_1-quantized, so its "fp32"
-  weights sit on a 4-bit grid and 4-bit methods look easy; 576-wide inputs take groups
-  of 64 where 128 does not divide them (``group_fallback``).
+  weights sit on a 4-bit grid (groups of 32) and 4-bit methods look easy; 576-wide
+  inputs take groups of 64 where 128 does not divide them (``group_fallback``).
 - ``wiki-byte-llama``: a byte-level Llama trained here by ``train_small_llama.py`` on
-  ``wiki.train.head.raw`` (full-precision weights; the hard case).
-
-Decode speed: greedy decoding of ``--decode-tokens`` tokens after a 32-token prompt,
-quantized model and fp32 model timed alternately, ratio of medians.
+  ``wiki.train.head.raw`` (full-precision weights; the hard case), on windows of its
+  training context (256 tokens, ``--byte-window-len``).
 
     python benchmarks/bench_weights_quality.py --models wiki-byte-llama,smollm2-135m
     python benchmarks/bench_weights_quality.py --quick
@@ -30,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,14 +59,19 @@ from common import header, parser, write_result  # noqa: E402
 import lessmem  # noqa: E402
 from lessmem._paths import cache_dir, repo_data_file  # noqa: E402
 from lessmem.eval.perplexity import make_windows  # noqa: E402
-from lessmem.weights.qlinear import QuantLinear  # noqa: E402
+from lessmem.eval.text import pydoc_corpus  # noqa: E402
+from lessmem.plan.gguf_rules import type_bytes  # noqa: E402
+from lessmem.weights.gguf_mix import gguf_name, tensor_type  # noqa: E402
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+Q41_NOTE = ("built-in file is Q4_1-quantized (4-bit, groups of 32): its float weights already "
+            "sit on a 4-bit grid, which flatters 4-bit methods; 576-wide inputs use groups of 64 "
+            "where 128 does not divide them (group_fallback)")
 
 
 def rows_spec(calib: dict) -> list[tuple[str, object]]:
     c = dict(group_fallback=True, **calib)
-    return [
+    rows = [
         ("RTN 4-bit g128", lessmem.RTNConfig(bits=4, group_size=128, group_fallback=True)),
         ("GPTQ 4-bit g128", lessmem.GPTQConfig(bits=4, group_size=128, **c)),
         ("AWQ 4-bit g128", lessmem.AWQConfig(bits=4, group_size=128, search_samples=4, **c)),
@@ -61,6 +84,14 @@ def rows_spec(calib: dict) -> list[tuple[str, object]]:
         ("GGUF Q4_K_M", lessmem.GGUFConfig("Q4_K_M")),
         ("GGUF Q4_0", lessmem.GGUFConfig("Q4_0")),
     ]
+    hqq = getattr(lessmem, "HQQConfig", None)
+    if hqq is not None:
+        try:
+            cfg = hqq(bits=4, group_size=128, group_fallback=True)
+        except TypeError:
+            cfg = hqq(bits=4, group_size=64)  # no fallback option: g64 divides every width here
+        rows.insert(3, (f"HQQ 4-bit g{cfg.group_size}", cfg))
+    return rows
 
 
 def load_model(name: str, quick: bool):
@@ -77,24 +108,46 @@ def load_model(name: str, quick: bool):
     return load(name)
 
 
-@torch.no_grad()
-def window_logprobs(model, windows: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.log_softmax(model(input_ids=w[None]).logits[0, :-1].float(), -1) for w in windows]
+@torch.inference_mode()
+def scored_logits(model, w: torch.Tensor, prefill: int) -> torch.Tensor:
+    """[N - P, V] float32 logits predicting tokens P..N-1 of window ``w`` (one forward)."""
+    n = w.numel()
+    return model(input_ids=w[None], use_cache=False, logits_to_keep=n - prefill + 1).logits[0, :-1].float()
 
 
-@torch.no_grad()
-def score(model, windows, ref_lp) -> dict:
-    nll, kld, n = 0.0, 0.0, 0
-    for w, lp_ref in zip(windows, ref_lp, strict=True):
-        lq = torch.log_softmax(model(input_ids=w[None]).logits[0, :-1].float(), -1)
-        tgt = w[1:]
-        nll += -lq.gather(1, tgt[:, None]).sum().item()
-        kld += (lp_ref.exp() * (lp_ref - lq)).sum().item()
+class Reference:
+    """fp32 logits of every window, kept on disk (one file per window)."""
+
+    def __init__(self, model, windows: torch.Tensor, prefill: int, tmp: Path):
+        self.paths = []
+        for i, w in enumerate(windows):
+            p = tmp / f"ref{i}.pt"
+            torch.save(scored_logits(model, w, prefill), p)
+            self.paths.append(p)
+
+    def __iter__(self):
+        for p in self.paths:
+            yield torch.load(p)
+
+
+@torch.inference_mode()
+def score(model, windows: torch.Tensor, ref: Reference, prefill: int, rows: int = 128) -> dict:
+    nll = kld = 0.0
+    top1 = n = 0
+    for w, ref_logits in zip(windows, ref, strict=True):
+        q_logits = scored_logits(model, w, prefill)
+        tgt = w[prefill:]
+        for a in range(0, tgt.numel(), rows):  # [rows, V] float64 at a time
+            lq = torch.log_softmax(q_logits[a:a + rows].double(), -1)
+            lp = torch.log_softmax(ref_logits[a:a + rows].double(), -1)
+            nll -= float(lq.gather(1, tgt[a:a + rows, None]).sum())
+            kld += float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).sum())
+            top1 += int((lq.argmax(-1) == lp.argmax(-1)).sum())
         n += tgt.numel()
-    return {"ppl": math.exp(nll / n), "kld": kld / n, "tokens": n}
+    return {"ppl": math.exp(nll / n), "kld": kld / n, "top1": top1 / n, "tokens_scored": n}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_ratio(model, base, prompt, new_tokens: int, reps: int = 3) -> dict:
     def run(m):
         t0 = time.perf_counter()
@@ -104,165 +157,203 @@ def decode_ratio(model, base, prompt, new_tokens: int, reps: int = 3) -> dict:
 
     run(model), run(base)  # warm-up (builds kernels, caches)
     q, f = [], []
-    for _ in range(reps):
+    for _ in range(reps):  # interleaved, so load changes hit both alike
         q.append(run(model))
         f.append(run(base))
     return {"decode_tok_s": statistics.median(q), "fp32_decode_tok_s": statistics.median(f),
             "decode_ratio": statistics.median(q) / statistics.median(f)}
 
 
-@torch.no_grad()
-def decode_breakdown(model, prompt, new_tokens: int) -> dict:
-    """Where decode time goes: seconds inside linear layers (hooks) vs the whole step."""
-    spent = {"linear": 0.0}
-    t_in = {}
-
-    def pre(mod, inp):
-        t_in[id(mod)] = time.perf_counter()
-
-    def post(mod, inp, out):
-        spent["linear"] += time.perf_counter() - t_in.pop(id(mod))
-
-    hs = []
-    for m in model.modules():
-        if isinstance(m, (QuantLinear, nn.Linear)):
-            hs += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-    t0 = time.perf_counter()
-    model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, pad_token_id=0)
-    total = time.perf_counter() - t0
-    for h in hs:
-        h.remove()
-    return {"decode_seconds": total, "linear_seconds": spent["linear"],
-            "linear_share": spent["linear"] / total}
-
-
 def linear_bits(model, report: dict) -> dict:
-    """Effective bits per weight over the decoder blocks' linears, and over all linears."""
-    blk_bits = blk_n = all_bits = all_n = 0.0
+    """Effective bits per weight from the bytes held: over the blocks' linears and all linears.
+
+    A tied ``lm_head`` counts once; GGUF layers decoded back to float count at their GGUF
+    block size (what the file and a fused GGUF kernel hold), others at their buffers."""
     gguf_types = report.get("types", {})
-    bpw_gguf = {"q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q4_k": 4.5, "q5_0": 5.5, "q5_1": 6.0,
-                "q4_0": 4.5, "q4_1": 5.0}
-    seen = set()
+    blk_b = blk_n = all_b = all_n = 0
+    seen, classes = set(), Counter()
     for name, m in model.named_modules():
-        if isinstance(m, QuantLinear):
-            b, n = m.bits_per_weight, m.in_features * m.out_features
-        elif type(m) is nn.Linear:
-            if id(m.weight) in seen:
+        w = getattr(m, "weight", None)
+        if isinstance(m, nn.Linear):
+            if id(w) in seen:
                 continue
-            seen.add(id(m.weight))
-            b = bpw_gguf[gguf_types[name]] if name in gguf_types else 32.0
-            n = m.weight.numel()
+            seen.add(id(w))
+            n = w.numel()
+            b = type_bytes(gguf_types[name], *w.shape) if name in gguf_types else n * w.element_size()
+        elif hasattr(m, "nbytes") and hasattr(m, "in_features"):  # QuantLinear, GGUF kernels
+            n = m.in_features * m.out_features
+            b = m.nbytes - (m.bias.numel() * m.bias.element_size() if getattr(m, "bias", None) is not None else 0)
         else:
             continue
-        all_bits += b * n
+        classes[type(m).__name__] += 1
+        all_b += b
         all_n += n
         if name.endswith(BLOCK_LINEARS):
-            blk_bits += b * n
+            blk_b += b
             blk_n += n
-    return {"bpw_block_linears": blk_bits / blk_n, "bpw_all_linears": all_bits / all_n}
+    return {"bpw_block_linears": 8 * blk_b / blk_n, "bpw_all_linears": 8 * all_b / all_n,
+            "linear_bytes": all_b, "layer_classes": dict(classes)}
 
 
-def disk_bytes(model, report: dict, fp32_bytes: int) -> int:
-    """lessmem rows: the saved checkpoint; GGUF rows: fp32 size minus the linears' savings."""
-    if report.get("method") == "gguf":
-        saved = sum(m.weight.numel() * 4 for n, m in model.named_modules() if n in report["types"])
-        return fp32_bytes - saved + report["bytes"]
-    with tempfile.TemporaryDirectory() as d:
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
+
+
+def gguf_tensors_file(model, mix: str, path: Path) -> dict:
+    """A GGUF file holding every weight of ``model`` in llama.cpp's ``mix`` (no tokenizer)."""
+    import gguf
+
+    from lessmem.formats.gguf import gguf_type, quantize_gguf
+
+    cfg = model.config
+    n_layers = cfg.num_hidden_layers
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(n_layers)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    types = {}
+    for key, t in model.state_dict().items():
+        if tied and key == "lm_head.weight":
+            continue
+        g = names.get(key) or gguf_name(key.removesuffix(".weight"))
+        if g is None:
+            g = (key.replace("model.layers.", "blk.").replace("input_layernorm", "attn_norm")
+                 .replace("post_attention_layernorm", "ffn_norm"))
+        typ = tensor_type(mix, g, t.shape[-1], n_layers, has_output=not tied, ndim=t.dim())
+        a = t.detach().float().numpy()
+        if typ == "f32":
+            w.add_tensor(g, a)
+        else:
+            w.add_tensor(g, quantize_gguf(a, typ), raw_dtype=gguf.GGMLQuantizationType(gguf_type(typ).ggml_id))
+        types[g] = typ
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return types
+
+
+def disk_bytes(model, report: dict, name: str, tmp: Path, float_model=None) -> tuple[int, str]:
+    """(bytes, what was written) for one row; GGUF rows encode ``float_model`` (as export does)."""
+    d = Path(tempfile.mkdtemp(dir=tmp))
+    try:
+        if report.get("method") == "gguf":
+            mix = report["config"]["type"]
+            src = cache_dir("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            if name == "smollm2-135m" and src.is_file():
+                from lessmem.weights.gguf_export import export_gguf
+
+                export_gguf(src, d / "m.gguf", mix, progress=False)
+                return (d / "m.gguf").stat().st_size, "export_gguf of the built-in file (tokenizer included)"
+            gguf_tensors_file(float_model if float_model is not None else model, mix, d / "m.gguf")
+            return (d / "m.gguf").stat().st_size, "tensors-only GGUF (no tokenizer) written by the benchmark"
+        if report.get("method") == "fp32":
+            model.save_pretrained(d, safe_serialization=True)
+            return _dir_bytes(d), "save_pretrained (safetensors, fp32)"
         lessmem.save_quantized(model, d)
-        return sum(f.stat().st_size for f in Path(d).iterdir())
-
-
-def fp32_disk_bytes(model) -> int:
-    seen, n = set(), 0
-    for t in model.state_dict().values():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            n += t.numel() * t.element_size()
-    return n
+        return _dir_bytes(d), "lessmem.save_quantized (safetensors + config)"
+    finally:
+        for f in sorted(d.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        d.rmdir()
 
 
 def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> dict:
     base, tok = load_model(name, args.quick)
     base.eval()
-    windows = make_windows(tok, test_text, args.windows, args.window_len)
-    calib = dict(n_samples=args.n_samples, seq_len=args.window_len)
-    ref_lp = window_logprobs(base, windows)
-    ref = score(base, windows, ref_lp)
-    fp32_bytes = fp32_disk_bytes(base)
-    prompt = windows[0, :32][None]
-    rows = [{"row": "fp32 reference", **ref, "delta_ppl_pct": 0.0, "bpw_block_linears": 32.0,
-             "bpw_all_linears": 32.0, "disk_bytes": fp32_bytes, "decode_ratio": 1.0}]
-    rows[0]["time_breakdown"] = decode_breakdown(base, prompt, args.decode_tokens)
-    print(f"[{name}] fp32: ppl {ref['ppl']:.3f} ({ref['tokens']} tokens)", flush=True)
-    specs = rows_spec(calib)
-    if args.only:
-        specs = [s for s in specs if any(o.lower() in s[0].lower() for o in args.only.split(","))]
-    for label, cfg in specs:
-        model = copy.deepcopy(base)
+    wlen = args.byte_window_len if name == "wiki-byte-llama" else args.window_len
+    windows = make_windows(tok, test_text, args.windows, wlen)
+    prefill = wlen // 4
+    calib = dict(n_samples=args.n_samples, seq_len=args.calib_len)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_wq_"))
+    try:
         t0 = time.perf_counter()
-        rep = lessmem.quantize_(model, cfg, calibration=calib_text, tokenizer=tok, progress=False)
-        secs = time.perf_counter() - t0
-        s = score(model, windows, ref_lp)
-        row = {"row": label, **s, "delta_ppl_pct": 100 * (s["ppl"] / ref["ppl"] - 1),
-               **linear_bits(model, rep), "disk_bytes": disk_bytes(model, rep, fp32_bytes),
-               "quantize_seconds": secs, "calibration": rep.get("calibration")}
-        if rep.get("method") == "gguf":
-            row["decode_ratio"] = None  # decoded to float in memory: runs at fp32 speed
-        else:
+        ref = Reference(base, windows, prefill, tmp)
+        ref_score = score(base, windows, ref, prefill)
+        ref_secs = time.perf_counter() - t0
+        prompt = windows[0, :32][None]
+        fp_disk, fp_how = disk_bytes(base, {"method": "fp32"}, name, tmp)
+        rows = [{"row": "fp32 reference", **ref_score, "delta_ppl_pct": 0.0,
+                 **linear_bits(base, {}), "disk_bytes": fp_disk, "disk_file": fp_how,
+                 "decode_ratio": 1.0, "eval_seconds": ref_secs}]
+        print(f"[{name}] fp32: ppl {ref_score['ppl']:.3f} ({ref_score['tokens_scored']} tokens, "
+              f"{ref_secs:.0f} s)", flush=True)
+        specs = rows_spec(calib)
+        if args.only:
+            specs = [s for s in specs if any(o.lower() in s[0].lower() for o in args.only.split(","))]
+        for label, cfg in specs:
+            model = copy.deepcopy(base)
+            t0 = time.perf_counter()
+            rep = lessmem.quantize_(model, cfg, calibration=calib_text, tokenizer=tok, progress=False)
+            qsecs = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            s = score(model, windows, ref, prefill)
+            esecs = time.perf_counter() - t0
+            disk, how = disk_bytes(model, rep, name, tmp, float_model=base)
+            row = {"row": label, **s, "delta_ppl_pct": 100 * (s["ppl"] / ref_score["ppl"] - 1),
+                   **linear_bits(model, rep), "disk_bytes": disk, "disk_file": how,
+                   "quantize_seconds": qsecs, "eval_seconds": esecs,
+                   "calibration": rep.get("calibration")}
+            if rep.get("method") == "gguf":
+                row["gguf_types"] = dict(Counter(rep["types"].values()))
             row.update(decode_ratio(model, base, prompt, args.decode_tokens))
-            row["time_breakdown"] = decode_breakdown(model, prompt, args.decode_tokens)
-        rows.append(row)
-        if save is not None:  # partial results survive an interrupted run
-            save({"model": name, "rows": rows, "partial": True})
-        print(f"[{name}] {label}: ppl {row['ppl']:.3f} ({row['delta_ppl_pct']:+.2f}%) kld "
-              f"{row['kld']:.4f} bpw {row['bpw_block_linears']:.3f} decode x"
-              f"{row['decode_ratio'] if row['decode_ratio'] is None else round(row['decode_ratio'], 2)}"
-              f" ({secs:.0f} s)", flush=True)
-        del model
-    return {"model": name, "windows": args.windows, "window_len": args.window_len,
-            "weights_note": ("built-in file is Q4_1-quantized: its float weights already sit on a "
-                             "4-bit grid, which flatters 4-bit methods; 576-wide inputs use groups "
-                             "of 64 (group_fallback)") if name == "smollm2-135m" else
-            "full-precision weights trained here (train_small_llama.py)",
+            rows.append(row)
+            if save is not None:  # partial results survive an interrupted run
+                save({"model": name, "rows": rows, "partial": True})
+            print(f"[{name}] {label}: ppl {row['ppl']:.3f} ({row['delta_ppl_pct']:+.2f}%) kld "
+                  f"{row['kld']:.4f} bpw {row['bpw_all_linears']:.3f} disk {disk / 1e6:.1f} MB decode "
+                  f"x{row['decode_ratio']:.2f} {row['layer_classes']} (q {qsecs:.0f} s, eval {esecs:.0f} s)",
+                  flush=True)
+            del model
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return {"model": name,
+            "protocol": {"windows": args.windows, "window_len": wlen, "prefill": prefill,
+                         "scored_per_window": wlen - prefill, "window_fn": "lessmem.eval.perplexity.make_windows",
+                         "calibration": calib, "decode_tokens": args.decode_tokens, "batch": 1},
+            "weights_note": Q41_NOTE if name == "smollm2-135m" else
+            ("full-precision weights trained here (train_small_llama.py, 256-token training "
+             "context, so windows of 256 tokens)" if name == "wiki-byte-llama" else "tiny random (quick)"),
             "rows": rows}
 
 
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("--models", default="wiki-byte-llama,smollm2-135m")
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--window-len", type=int, default=512)
-    p.add_argument("--n-samples", type=int, default=16)
+    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--window-len", type=int, default=1024)
+    p.add_argument("--byte-window-len", type=int, default=256, help="wiki-byte-llama's windows")
+    p.add_argument("--n-samples", type=int, default=8, help="calibration windows")
+    p.add_argument("--calib-len", type=int, default=512, help="calibration window length")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--only", default=None, help="comma list of row-label substrings")
     args = p.parse_args()
     test = repo_data_file("wikitext-2-raw", "wiki.test.raw")
     train = repo_data_file("wikitext-2-raw", "wiki.train.head.raw")
     if args.quick or test is None or train is None:
-        from lessmem.weights.calibrate import builtin_corpus
-
-        corpus = builtin_corpus()
+        corpus = pydoc_corpus()
         test_text, calib_text = corpus[: len(corpus) // 2], corpus[len(corpus) // 2:]
-        source = "pydoc_data.topics (wikitext not found)" if not args.quick else "pydoc (quick)"
+        source = "pydoc (quick)" if args.quick else "pydoc_data.topics halves (wikitext not found)"
     else:
-        test_text, calib_text = test.read_text(), train.read_text()
-        source = "wikitext-2-raw test (eval), wiki.train.head.raw (calibration)"
+        test_text, calib_text = test.read_text(encoding="utf-8"), train.read_text(encoding="utf-8")
+        source = "wikitext-2-raw/wiki.test.raw (eval), wiki.train.head.raw (calibration)"
     if args.quick:
         args.models, args.windows, args.window_len, args.n_samples = "tiny-random", 2, 64, 4
-        args.decode_tokens = 4
+        args.calib_len, args.decode_tokens = 64, 4
         args.only = args.only or "RTN 4,GPTQ 4,Q4_K_M"
     h = header(models=args.models, windows=args.windows, window_len=args.window_len,
-               n_samples=args.n_samples, text=source)
+               n_samples=args.n_samples, calib_len=args.calib_len, text=source)
     results = []
+    stem = "bench_weights_quality" if args.quick or "," in args.models else f"bench_weights_quality_{args.models}"
 
     def save_partial(part):
-        write_result("bench_weights_quality", {"header": h, "results": results + [part]}, args.out,
-                     args.quick)
+        write_result(stem, {"header": h, "results": results + [part]}, args.out, args.quick)
 
     for m in args.models.split(","):
         results.append(bench_model(m, args, test_text, calib_text, save_partial))
-    write_result("bench_weights_quality", {"header": h, "results": results}, args.out, args.quick)
+    write_result(stem, {"header": h, "results": results}, args.out, args.quick)
     return 0
 
 

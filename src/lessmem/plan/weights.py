@@ -8,10 +8,13 @@ weights is 4 + 16/32 = 4.5 bits. Two overhead figures, since the literature uses
   "scale overhead"),
 - ``scale_tax``: metadata / code bits — 2/4 = 50% at group 8 (the lecture's "50% tax").
 
-GGUF types are counted from their block layout (bytes per block / weights per block);
-mixes such as Q4_K_M follow llama.cpp's per-tensor rules (more bits for attn_v and
-ffn_down of some layers, Q6_K for the output matrix, fallbacks where a row is not a
-multiple of 256, 1-D tensors in F32).
+GGUF types are counted from their block layout (bytes per block / weights per block).
+Files are sized with llama.cpp's per-tensor rules (``plan.gguf_rules``, the same function
+the GGUF exporter uses): mixes such as Q4_K_M give more bits to attn_v and ffn_down of
+some layers; every file type, Q4_0 and Q8_0 included, stores the output matrix in Q6_K
+(Q8_0 stays Q8_0); rows that are not a multiple of a block fall back; 1-D tensors are
+F32. GGUF types that are no llama.cpp file type (q3_k, q4_k, q5_k, iq4_*) are sized as
+that type everywhere.
 
 Example:
     >>> from lessmem.plan.weights import get_weight_format
@@ -28,18 +31,11 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-# GGUF type -> (weights per block, bytes per block, code bits); checked against gguf.GGML_QUANT_SIZES
-GGUF_TYPES: dict[str, tuple[int, int, int]] = {
-    "f32": (1, 4, 32), "f16": (1, 2, 16), "bf16": (1, 2, 16),
-    "q4_0": (32, 18, 4), "q4_1": (32, 20, 4), "q5_0": (32, 22, 5), "q5_1": (32, 24, 5),
-    "q8_0": (32, 34, 8), "q2_k": (256, 84, 2), "q3_k": (256, 110, 3), "q4_k": (256, 144, 4),
-    "q5_k": (256, 176, 5), "q6_k": (256, 210, 6), "q8_k": (256, 292, 8),
-    "iq4_nl": (32, 18, 4), "iq4_xs": (256, 136, 4),
-}
-# a K-quant needs rows that are a multiple of 256; llama.cpp falls back to these
-FALLBACK = {"q2_k": "iq4_nl", "q3_k": "iq4_nl", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
-            "iq4_xs": "iq4_nl"}
-MIXES = ("q3_k_m", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m")
+from .gguf_rules import FALLBACK, FILE_TYPES, GGUF_TYPES, type_bytes  # noqa: F401  (re-export)
+from .gguf_rules import tensor_type as _file_tensor_type
+
+# llama.cpp file types that are mixes (the rest share their name with a GGUF type)
+MIXES = tuple(f.lower() for f in FILE_TYPES if f.lower() not in GGUF_TYPES)
 
 
 @dataclass(frozen=True)
@@ -132,48 +128,22 @@ def get_weight_format(spec: str | WeightFormat) -> WeightFormat:
     raise ValueError(f"unknown weight format {spec!r}; choose one of: {weight_choices()}")
 
 
-def _use_more_bits(i: int, n: int) -> bool:
-    # llama.cpp: first and last eighth of the layers, and every third layer between
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+def mix_type(mix: str, t, n_layers: int, tied: bool = False, n_gqa: int = 1) -> str:
+    """The GGUF type llama.cpp gives tensor ``t`` (a Tensor2D) in file type ``mix``.
 
-
-def mix_type(mix: str, t, n_layers: int, tied: bool = False) -> str:
-    """The GGUF type llama.cpp gives tensor ``t`` (a Tensor2D) in the ``mix`` file type."""
-    base = {"q3_k_m": "q3_k", "q4_k_s": "q4_k", "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}[mix]
+    Example:
+        >>> from lessmem.plan.models import Tensor2D
+        >>> mix_type("q4_k_m", Tensor2D("attn_v", 1024, 8192, 10), 80, n_gqa=8)  # 70B rule
+        'q5_k'
+    """
     if t.rows == 1:
         return "f32"
-    name, i = t.name, t.layer
-    typ = base
-    if name == "output" or (name == "token_embd" and tied):
-        typ = "q6_k"
-    elif name == "attn_v":
-        if mix == "q3_k_m":
-            typ = "q5_k" if i < 2 else "q4_k"
-        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n_layers):
-            typ = "q6_k"
-        elif mix == "q4_k_s" and i < 4:
-            typ = "q5_k"
-        if n_layers == 80 and typ in ("q3_k", "q4_k"):  # 70B: attn_v is 8x smaller, give it bits
-            typ = "q5_k"
-    elif name == "ffn_down":
-        if mix == "q3_k_m":
-            typ = "q5_k" if i < n_layers // 16 else "q4_k"
-        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n_layers):
-            typ = "q6_k"
-        elif mix == "q4_k_s" and i < n_layers // 8:
-            typ = "q5_k"
-    elif name == "attn_output" and mix == "q3_k_m":
-        typ = "q4_k"
-    block = GGUF_TYPES[typ][0]
-    if t.cols % block:
-        typ = FALLBACK.get(typ, typ)
-        if t.cols % GGUF_TYPES[typ][0]:
-            typ = "f16"
-    return typ
+    name = f"blk.{t.layer}.{t.name}.weight" if t.layer is not None else f"{t.name}.weight"
+    return _file_tensor_type(mix, name, t.cols, n_layers, has_output=not tied, n_gqa=n_gqa)
 
 
 def tensor_bytes(fmt: WeightFormat, t, n_layers: int, keep_embeddings: bool = False,
-                 tied: bool = False) -> tuple[float, str]:
+                 tied: bool = False, n_gqa: int = 1) -> tuple[float, str]:
     """(bytes, storage type) of one tensor in format ``fmt``."""
     if t.rows == 1:  # norms and biases stay in float
         return (t.numel * 4, "f32") if fmt.kind in ("gguf", "mix") else (t.numel * 2, "fp16")
@@ -185,13 +155,15 @@ def tensor_bytes(fmt: WeightFormat, t, n_layers: int, keep_embeddings: bool = Fa
         g = t.cols if fmt.group == 0 else fmt.group
         groups = t.rows * math.ceil(t.cols / g)
         return t.numel * fmt.bits / 8 + groups * (fmt.scale_bits + fmt.zero_point_bits) / 8, fmt.name
-    typ = fmt.gguf_type if fmt.kind == "gguf" else mix_type(fmt.gguf_type, t, n_layers, tied)
-    if fmt.kind == "gguf" and t.cols % GGUF_TYPES[typ][0]:
-        typ = FALLBACK.get(typ, "f16")
+    if fmt.gguf_type.upper() in FILE_TYPES:  # a llama.cpp file type: its per-tensor rules
+        typ = mix_type(fmt.gguf_type, t, n_layers, tied, n_gqa)
+    else:  # a bare GGUF type everywhere, with llama.cpp's row-length fallback
+        typ = fmt.gguf_type
         if t.cols % GGUF_TYPES[typ][0]:
-            typ = "f16"
-    n, nbytes, _ = GGUF_TYPES[typ]
-    return t.rows * math.ceil(t.cols / n) * nbytes, typ
+            typ = FALLBACK.get(typ, "f16")
+            if t.cols % GGUF_TYPES[typ][0]:
+                typ = "f16"
+    return type_bytes(typ, t.rows, t.cols), typ
 
 
 def weight_footprint(model, fmt: WeightFormat | str, keep_embeddings: bool = False) -> dict:
@@ -209,8 +181,9 @@ def weight_footprint(model, fmt: WeightFormat | str, keep_embeddings: bool = Fal
     fmt = get_weight_format(fmt)
     total, by_type, numel = 0.0, {}, 0
     tied = getattr(model, "tied_embeddings", False)
+    n_gqa = max(1, model.heads // max(1, model.kv_heads))
     for t in model.tensors():
-        b, typ = tensor_bytes(fmt, t, model.layers, keep_embeddings, tied)
+        b, typ = tensor_bytes(fmt, t, model.layers, keep_embeddings, tied, n_gqa)
         total += b
         numel += t.numel
         e = by_type.setdefault(typ, {"params": 0, "bytes": 0.0})
