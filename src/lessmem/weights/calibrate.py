@@ -1,7 +1,8 @@
 """Calibration data and the block-by-block pass shared by GPTQ, AWQ and SmoothQuant.
 
 ``calibration_ids`` turns text (a file path, a string, a list of strings; default: the
-built-in corpus ``pydoc_data.topics`` shipped with Python) into ``n_samples`` windows
+built-in corpus, Python's ``pydoc_data.topics`` joined by ``lessmem.eval.text.
+pydoc_corpus``, the evaluator's own built-in text) into ``n_samples`` windows
 of ``seq_len`` tokens, non-overlapping, in order. ``BlockInputs`` captures what the
 first decoder block receives for each window (hidden states and the keyword arguments:
 rotary ``position_embeddings``, mask, positions), so each block can then be run,
@@ -20,14 +21,11 @@ from pathlib import Path
 
 import torch
 
+from ..eval.text import pydoc_corpus
 from .observer import StopForward
 
-
-def builtin_corpus() -> str:
-    """The Python documentation topics shipped with CPython (``pydoc_data.topics``)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
+# the built-in calibration text is the evaluator's built-in corpus (one definition)
+builtin_corpus = pydoc_corpus
 
 
 def _is_path(c) -> bool:
