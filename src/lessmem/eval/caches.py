@@ -65,6 +65,7 @@ class CacheSpec:
     factory: Callable[[Any], Any]
     kind: str = "custom"
     detail: Any = None
+    config: Any = None  # the preset name or KVConfig of a lessmem cache (what with_offload needs)
 
     def make(self, model_config):
         return self.factory(model_config)
@@ -135,7 +136,7 @@ def resolve_config(config) -> CacheSpec:
             return CacheSpec(name, _peer_factory(backend, nbits), "peer", detail)
         presets = lessmem_presets()
         if name in presets:
-            return CacheSpec(name, _lessmem_factory(name), "lessmem", _to_dict(presets[name]))
+            return CacheSpec(name, _lessmem_factory(name), "lessmem", _to_dict(presets[name]), name)
         allowed = [BASELINE, *available_peers(), *presets]
         raise ValueError(f"unknown KV config {name!r}; allowed: {', '.join(allowed)}")
     if hasattr(config, "to_dict") and type(config).__name__ == "KVConfig":
@@ -143,8 +144,70 @@ def resolve_config(config) -> CacheSpec:
         same = [n for n, p in lessmem_presets().items() if p == config]
         digest = hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
         name = same[0] if same else f"kvconfig-{digest}"
-        return CacheSpec(name, _lessmem_factory(config), "lessmem", d)
+        return CacheSpec(name, _lessmem_factory(config), "lessmem", d, config)
     raise ValueError(f"KV config must be a preset name, a KVConfig or a CacheSpec, got {config!r}")
+
+
+def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
+                 prefetch: bool = True) -> CacheSpec:
+    """The same lessmem config held in a :class:`~lessmem.kvcache.tiered.TieredKVCache`.
+
+    ``offload``: the tiers below the device (``"host,disk:/path,redis://h:6379/0"``, see
+    :func:`lessmem.offload.parse_offload_spec`); ``kv_budget``: device bytes (``"64MiB"``;
+    None = unbounded). Every cache the spec makes builds its own tiers from the string
+    (a disk directory or Redis server is shared; each cache's blocks have their own keys
+    and ``close()`` removes them). The tiered cache is bit-exact with the in-memory one,
+    so the name stays; ``detail`` records the tiers and budget.
+
+    Example:
+        >>> from lessmem.models import tiny_random
+        >>> spec = with_offload(resolve_config("int4"), "host", "64KiB")
+        >>> cache = spec.make(tiny_random().config)
+        >>> type(cache).__name__, cache.device_budget, spec.detail["offload"]
+        ('TieredKVCache', 65536, 'host')
+        >>> cache.close()
+    """
+    from lessmem.offload import parse_bytes, parse_offload_spec
+
+    spec = resolve_config(spec)
+    if spec.kind != "lessmem" or spec.config is None:
+        raise ValueError(f"--offload needs a lessmem preset or KVConfig, got {spec.name!r} ({spec.kind}); "
+                         "allowed: the names `lessmem presets` lists")
+    tiers = parse_offload_spec(offload)  # syntax errors before any model loads
+    if any(t.kind == "device" for t in tiers):
+        raise ValueError(f"--offload {offload!r} names the device tier; allowed: host, disk:PATH, "
+                         "redis://... (the device's size is --kv-budget)")
+    budget = None if kv_budget is None else parse_bytes(kv_budget, "--kv-budget")
+    preset = spec.config
+    bs = (lessmem_presets()[preset] if isinstance(preset, str) else preset).block_size
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
+            or block_tokens % bs:
+        raise ValueError(f"block_tokens={block_tokens!r}; allowed: a positive multiple of "
+                         f"{spec.name}'s block_size {bs}")
+
+    def make(cfg):
+        from lessmem.kvcache.tiered import TieredKVCache
+
+        return TieredKVCache(cfg, preset, tiers=offload, device_budget=budget,
+                             block_tokens=block_tokens, prefetch=prefetch)
+
+    detail = {**(spec.detail if isinstance(spec.detail, dict) else {"config": spec.detail}),
+              "offload": offload, "device_budget": budget, "block_tokens": block_tokens,
+              "prefetch": bool(prefetch)}
+    return CacheSpec(spec.name, make, "lessmem", detail, preset)
+
+
+def placement(mem: dict) -> dict | None:
+    """Where a tiered cache's bytes are, from its ``memory()`` dict (None for other caches):
+    ``device_bytes`` (now), ``device_peak`` (the cache's peak, or the bytes now if more: the
+    peak is sampled at reads), ``device_budget``, ``tiers`` (bytes per tier) and ``resident``
+    (window + sinks, which stay on the device whatever the budget)."""
+    if not isinstance(mem.get("tiers"), dict):
+        return None
+    now = mem.get("device_bytes", 0)
+    return {"device_bytes": now, "device_peak": max(mem.get("device_peak", 0), now),
+            "device_budget": mem.get("device_budget"), "tiers": dict(mem["tiers"]),
+            "resident": mem.get("window", 0) + mem.get("sinks", 0)}
 
 
 def resolve_configs(configs) -> list[CacheSpec]:

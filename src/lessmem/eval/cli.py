@@ -7,10 +7,18 @@ Example:
     $ lessmem eval                                   # the README's main job
     $ lessmem eval --kv int4,kivi-2,quanto-int4 --windows 8 --window-len 1024 --json
     $ lessmem eval --text wikitext2 --passkey 1024,4096 --plot kv.png
+    $ lessmem eval --kv int4,kivi-2 --kv-budget 64MiB --offload host@1GiB,disk:/tmp/kv
+
+With ``--offload`` every lessmem config runs in a ``TieredKVCache`` over those tiers
+(the baseline and peer caches stay in memory); the tiered cache is bit-exact, so ppl,
+KLD and top-1 equal the in-memory cache's, and the table is followed by where the bytes
+were after each window (bytes per tier, device peak vs ``--kv-budget``); ``--json`` rows
+carry the same under ``"offload"``. The passkey test runs the in-memory caches.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -46,6 +54,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=None, help="also write the JSON to this file")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot Δppl vs effective bits")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from lessmem.eval.generate_cli import add_offload_arguments
+
+    add_offload_arguments(p)
 
 
 def _int_list(s: str, what: str) -> list[int]:
@@ -120,6 +131,33 @@ class _Progress:
         self.bar.update(self.task, completed=done, total=total)
 
 
+def offload_configs(args, specs: list) -> list:
+    """With --offload: every lessmem config tiered (the shared ``generate_cli.offload_spec``),
+    others unchanged; ValueError when no config can be tiered or --kv-budget lacks --offload."""
+    from lessmem.eval.generate_cli import offload_spec
+
+    if args.offload is None:
+        return [offload_spec(args, s) for s in specs]  # --kv-budget alone -> ValueError
+    if not any(s.kind == "lessmem" for s in specs):
+        raise ValueError(f"--offload needs a lessmem preset in --kv, got {', '.join(s.name for s in specs)}; "
+                         "allowed: the names `lessmem presets` lists")
+    return [offload_spec(args, s) if s.kind == "lessmem" else s for s in specs]
+
+
+def print_offload(rows: list[dict]) -> None:
+    """After the table: where each tiered config's bytes were (``generate_cli.placement_lines``)."""
+    from lessmem.eval.generate_cli import placement_lines
+
+    tiered = [r for r in rows if "offload" in r]
+    if tiered:
+        d = tiered[0]["detail"] or {}
+        print(f"offload {d.get('offload')}, {d.get('block_tokens')} tokens per block, prefetch "
+              f"{'on' if d.get('prefetch') else 'off'} (mean over windows, peak = the highest):")
+    for r in tiered:
+        for line in placement_lines(r["offload"]):
+            print(f"  {r['config']:<10} {line}")
+
+
 def run(args) -> int:
     import torch
 
@@ -129,7 +167,7 @@ def run(args) -> int:
 
     check_protocol(args.windows, args.window_len, args.chunk)
     names = expand_kv(args.kv)
-    resolve_configs(names)  # unknown names fail before the model loads
+    configs = offload_configs(args, resolve_configs(names))  # unknown names fail before the model loads
     lengths = _int_list(args.passkey, "--passkey")
     depths = _float_list(args.passkey_depths, "--passkey-depths")
     if args.threads is not None:
@@ -146,18 +184,23 @@ def run(args) -> int:
         raise ValueError(str(exc)) from exc
     show = not args.no_progress
     with _Progress(show, "perplexity") as prog:
-        rows = evaluate(model, tok, names, text, args.windows, args.window_len, args.chunk,
+        rows = evaluate(model, tok, configs, text, args.windows, args.window_len, args.chunk,
                         progress=prog, model_name=str(args.model), text_name=text_name)
     pk = None
     if lengths:
         from lessmem.eval.passkey import passkey_eval
 
         with _Progress(show, "passkey") as prog:
+            # in-memory caches: the tiered ones are bit-exact, and passkey does not close caches
             pk = passkey_eval(model, tok, names, lengths, depths, progress=prog)
 
-    from lessmem.eval.report import dumps, plot, print_table
+    from lessmem.eval.report import json_rows, plot, print_table
 
-    js = dumps(rows, pk)
+    out = json_rows(rows, pk)
+    for o, r in zip(out, rows, strict=True):
+        if "offload" in r:
+            o["offload"] = r["offload"]
+    js = json.dumps(out, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(js + "\n")
@@ -165,6 +208,7 @@ def run(args) -> int:
         sys.stdout.write(js + "\n")
     else:
         print_table(rows, pk)
+        print_offload(rows)
     if args.plot:
         path = plot(rows, args.plot)
         print(f"wrote {path}", file=sys.stderr)

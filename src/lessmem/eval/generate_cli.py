@@ -31,10 +31,55 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--offload", default=None,
-                   help="tiers below the device for a lessmem preset, e.g. host,disk:/path,redis://127.0.0.1:6379/0")
-    p.add_argument("--kv-budget", default=None,
-                   help="device bytes for the KV cache with --offload, e.g. 64MiB (default: no limit)")
+    add_offload_arguments(p)
+
+
+def add_offload_arguments(p) -> None:
+    """``--offload``, ``--kv-budget``, ``--block-tokens``, ``--no-prefetch`` (generate and eval)."""
+    p.add_argument("--offload", default=None, metavar="TIERS",
+                   help="tiers below the device for lessmem presets, fastest first, each with an optional "
+                        "@SIZE capacity: host,disk:/path,redis://127.0.0.1:6379/0 (e.g. host@1GiB,disk:/tmp/kv)")
+    p.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="device bytes for the KV cache with --offload, e.g. 64MiB (KB/MB/GB are 1000-based, "
+                        "KiB/MiB/GiB and a bare K/M/G 1024-based; default: no limit)")
+    p.add_argument("--block-tokens", type=int, default=256,
+                   help="tokens per offloaded block with --offload (a multiple of the preset's block size; "
+                        "default 256)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="with --offload: fetch each layer's blocks when attention needs them, not ahead")
+
+
+def offload_spec(args, spec):
+    """``spec`` held in a tiered cache when --offload is given (else ``spec`` unchanged);
+    ValueError for --kv-budget without --offload or a cache that cannot be tiered."""
+    from lessmem.eval.caches import with_offload
+
+    if args.offload is None:
+        if args.kv_budget is not None:
+            raise ValueError(f"--kv-budget={args.kv_budget} needs --offload TIERS "
+                             "(e.g. host or host,disk:/path) for what does not fit")
+        return spec
+    return with_offload(spec, args.offload, args.kv_budget, block_tokens=args.block_tokens,
+                        prefetch=not args.no_prefetch)
+
+
+def placement_lines(pl: dict) -> list[str]:
+    """Human lines for where a tiered cache's bytes are (``eval.caches.placement``).
+
+    Example:
+        >>> print("\\n".join(placement_lines({"device_bytes": 3072, "device_peak": 4096,
+        ...     "device_budget": 4096, "tiers": {"device": 1024, "host": 2048}, "resident": 2048})))
+        device 3.00 KiB held, peak 4.00 KiB, budget 4.00 KiB; tiers: device 1.00 KiB, host 2.00 KiB
+    """
+    budget = pl.get("device_budget")
+    lines = [f"device {_format_bytes(pl.get('device_bytes', 0))} held, peak "
+             f"{_format_bytes(pl.get('device_peak', 0))}, budget "
+             f"{_format_bytes(budget) if budget else 'none'}; tiers: "
+             + ", ".join(f"{k} {_format_bytes(v)}" for k, v in pl.get("tiers", {}).items())]
+    if budget and pl.get("device_peak", 0) > budget:
+        lines.append(f"note: the device held more than --kv-budget: the window and sinks "
+                     f"({_format_bytes(pl.get('resident', 0))}) always stay resident")
+    return lines
 
 
 def _format_bytes(n: float) -> str:
@@ -64,7 +109,7 @@ def memory_lines(mem: dict) -> list[str]:
 def run(args) -> int:
     import torch
 
-    from lessmem.eval.caches import cache_kwarg, measure_memory, resolve_config
+    from lessmem.eval.caches import cache_kwarg, measure_memory, placement, resolve_config
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}; allowed: an integer >= 1")
@@ -73,8 +118,7 @@ def run(args) -> int:
     if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
         raise ValueError(f"--temperature={args.temperature}, --top-p={args.top_p}; allowed: "
                          "temperature > 0 and 0 < top-p <= 1")
-    spec = resolve_config(args.kv)  # fails before the model loads
-    tiered = _tiered_options(args, spec)
+    spec = offload_spec(args, resolve_config(args.kv))  # fails before the model loads
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads={args.threads}; allowed: an integer >= 1")
@@ -94,12 +138,7 @@ def run(args) -> int:
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(args.prompt, return_tensors="pt")
-    if tiered is None:
-        cache = spec.make(model.config)
-    else:
-        from lessmem.kvcache.tiered import TieredKVCache
-
-        cache = TieredKVCache(model.config, args.kv, **tiered)
+    cache = spec.make(model.config)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
     if args.sample:
@@ -118,30 +157,11 @@ def run(args) -> int:
     print(f"\n--- KV cache {spec.name}: {enc['input_ids'].shape[1]} prompt + {n_new} new tokens")
     for line in memory_lines(mem):
         print(line)
-    if tiered is not None:
-        budget = mem.get("device_budget")
-        print(f"device {_format_bytes(mem.get('device_bytes', 0))} held, peak "
-              f"{_format_bytes(mem.get('device_peak', 0))}, budget "
-              f"{_format_bytes(budget) if budget else 'none'}; tiers: "
-              + ", ".join(f"{k} {_format_bytes(v)}" for k, v in mem.get("tiers", {}).items()))
-        if budget and mem.get("device_peak", 0) > budget:
-            print(f"note: the device held more than --kv-budget: the window and sinks "
-                  f"({_format_bytes(mem.get('window', 0) + mem.get('sinks', 0))}) always stay resident")
-        cache.close()
+    pl = placement(mem)
+    if pl is not None:
+        for line in placement_lines(pl):
+            print(line)
+    close = getattr(cache, "close", None)
+    if callable(close):
+        close()
     return 0
-
-
-def _tiered_options(args, spec) -> dict | None:
-    """Keyword arguments for ``TieredKVCache`` from --offload/--kv-budget, or None."""
-    if args.offload is None and args.kv_budget is None:
-        return None
-    if args.offload is None:
-        raise ValueError(f"--kv-budget={args.kv_budget} needs --offload TIERS "
-                         "(e.g. host or host,disk:/path) for what does not fit")
-    if spec.kind != "lessmem":
-        raise ValueError(f"--offload needs a lessmem preset for --kv, got {args.kv!r}; "
-                         "allowed: the names `lessmem presets` lists")
-    from lessmem.offload import build_tiers, parse_bytes
-
-    budget = parse_bytes(args.kv_budget) if args.kv_budget is not None else None
-    return {"tiers": build_tiers(args.offload), "device_budget": budget}

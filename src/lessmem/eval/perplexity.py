@@ -212,6 +212,7 @@ def _evaluate(model, tok, configs, text, windows, window_len, chunk, progress, m
                 progress(done, total)
         for s in specs:
             accs[s.name].mem.append(measure_memory(caches[s.name]))
+        _close(caches)
         del caches
         n_done += 1
 
@@ -260,4 +261,36 @@ def _rows(specs: list[CacheSpec], accs: dict, protocol: dict) -> list[dict]:
             "detail": s.detail,
             **protocol,
         })
+        _add_offload(rows[-1], a.mem)
     return rows
+
+
+def _close(caches: dict) -> None:
+    """Close caches that hold resources (a tiered cache's prefetch thread, files, Redis keys)."""
+    for c in caches.values():
+        close = getattr(c, "close", None)
+        if callable(close):
+            close()
+
+
+def _add_offload(row: dict, mems: list[dict]) -> None:
+    """For a tiered cache, ``row["offload"]``: where its bytes were after each window, averaged
+    over windows (``tiers``: bytes per tier, ``device_bytes``), the highest ``device_peak`` of
+    any window, the ``device_budget``, and ``within_budget`` (peak <= budget, or no budget)."""
+    from lessmem.eval.caches import placement
+
+    pls = [p for p in (placement(m) for m in mems) if p is not None]
+    if not pls:
+        return
+    n = len(pls)
+    names = list(dict.fromkeys(k for p in pls for k in p["tiers"]))
+    budget = pls[0]["device_budget"]
+    peak = max(p["device_peak"] for p in pls)
+    row["offload"] = {
+        "tiers": {k: sum(p["tiers"].get(k, 0) for p in pls) / n for k in names},
+        "device_bytes": sum(p["device_bytes"] for p in pls) / n,
+        "device_peak": peak,
+        "device_budget": budget,
+        "within_budget": budget is None or peak <= budget,
+        "resident": sum(p["resident"] for p in pls) / n,
+    }
