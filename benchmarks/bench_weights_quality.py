@@ -42,6 +42,7 @@ Models:
 from __future__ import annotations
 
 import copy
+import json
 import math
 import statistics
 import sys
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import header, parser, write_result  # noqa: E402
+from common import RESULTS, header, parser, write_result  # noqa: E402
 
 import lessmem  # noqa: E402
 from lessmem._paths import cache_dir, repo_data_file  # noqa: E402
@@ -319,6 +320,27 @@ def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> 
             "rows": rows}
 
 
+def merge_rows(path: Path, new: list[dict], h: dict) -> dict:
+    """The file ``path`` with ``new``'s rows merged in by label (a rerun of some rows)."""
+    if not path.is_file():
+        return {"header": h, "results": new}
+    data = json.loads(path.read_text())
+    data.setdefault("updates", []).append(h)
+    old = data["results"]
+    for res in new:
+        prev = next((r for r in old if r["model"] == res["model"]), None)
+        if prev is None or prev["protocol"] != res["protocol"]:
+            raise SystemExit(f"{path}: no {res['model']} result with the same protocol to merge into")
+        labels = [r["row"] for r in prev["rows"]]
+        for row in res["rows"][1:]:
+            row["rerun"] = h["time"]
+            if row["row"] in labels:
+                prev["rows"][labels.index(row["row"])] = row
+            else:
+                prev["rows"].append(row)
+    return data
+
+
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("--models", default="wiki-byte-llama,smollm2-135m")
@@ -329,6 +351,8 @@ def main() -> int:
     p.add_argument("--calib-len", type=int, default=512, help="calibration window length")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--only", default=None, help="comma list of row-label substrings")
+    p.add_argument("--update", action="store_true",
+                   help="merge the rows run into the existing result file (same label: replaced)")
     args = p.parse_args()
     test = repo_data_file("wikitext-2-raw", "wiki.test.raw")
     train = repo_data_file("wikitext-2-raw", "wiki.train.head.raw")
@@ -349,11 +373,16 @@ def main() -> int:
     stem = "bench_weights_quality" if args.quick or "," in args.models else f"bench_weights_quality_{args.models}"
 
     def save_partial(part):
+        if args.update:
+            return
         write_result(stem, {"header": h, "results": results + [part]}, args.out, args.quick)
 
     for m in args.models.split(","):
         results.append(bench_model(m, args, test_text, calib_text, save_partial))
-    write_result(stem, {"header": h, "results": results}, args.out, args.quick)
+    data = {"header": h, "results": results}
+    if args.update and not args.quick:
+        data = merge_rows(args.out or RESULTS / f"{stem}.json", results, h)
+    write_result(stem, data, args.out, args.quick)
     return 0
 
 
