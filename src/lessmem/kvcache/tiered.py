@@ -96,6 +96,7 @@ class TieredKVLayer(QuantizedKVLayer):
         self.part_bytes: dict[str, int] = {}
         self.pending: dict[str, torch.Tensor] | None = None  # the partly filled block
         self.n_pending = 0
+        self._pend = (None, 0)  # (the pending dict measured, its bytes): fp_bytes runs per layer per step
         self._tok_bytes = None
         self._sum = (0, 0)  # (len(block_bytes), sum(block_bytes)) cached
 
@@ -148,7 +149,12 @@ class TieredKVLayer(QuantizedKVLayer):
                        _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
 
     def _pending_bytes(self) -> int:
-        return sum(_nb(t) for t in self.pending.values()) if self.pending else 0
+        p = self.pending
+        if p is None:
+            return 0
+        if self._pend[0] is not p:  # pending is replaced, never mutated in place
+            self._pend = (p, sum(_nb(t) for t in p.values()))
+        return self._pend[1]
 
     def history_bytes(self) -> int:
         if self._sum[0] != len(self.block_bytes):
@@ -409,7 +415,9 @@ class TieredKVCache(KVCache):
         if not parts:
             return None
         dev = layer.device
-        return {n: torch.cat([p[n].to(dev) for p in parts], dim=2) for n in parts[0]}
+        if any(p["k_codes"].device != dev for p in parts):
+            parts = [{n: t.to(dev) for n, t in p.items()} for p in parts]
+        return {n: torch.cat([p[n] for p in parts], dim=2) for n in parts[0]}
 
     def _hidden_blocks(self, layer: TieredKVLayer) -> int:
         """Sealed blocks outside the attention window (sliding policy), oldest first."""
@@ -472,10 +480,10 @@ class TieredKVCache(KVCache):
             i = la.layer_idx
             for idx, key in enumerate(la.block_keys):
                 want = self._key_for(la, idx)
-                block = self._fetch(key)
-                for t in self.lower:
-                    if not t.contains(want):
-                        t.put(want, block)
+                missing = [t for t in self.lower if not t.contains(want)]
+                block = self._fetch(key) if missing else None  # stored blocks are not read again
+                for t in missing:
+                    t.put(want, block)
                 if key != want:  # a session key becomes the shareable content key
                     self.stack.delete(key)
                     la.block_keys[idx] = want

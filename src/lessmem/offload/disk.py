@@ -56,6 +56,7 @@ class DiskTier(Tier):
         self.path = Path(path)
         self.fsync = bool(fsync)
         self.dir = self.path / "blocks"
+        self._dirname = str(self.dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -143,14 +144,17 @@ class DiskTier(Tier):
             self.on_evict(key, block)
 
     def _read(self, key: str) -> dict | None:
-        path = self._file(key)
+        path = os.path.join(self._dirname, key + ".blk")  # str, not Path: this runs per block per step
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
                 blob = bytearray(size)  # read straight into the buffer the tensors will view
-                got = f.readinto(blob)
+                got = os.readv(fd, [blob])
                 if got != size:
                     del blob[got:]
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)
@@ -166,7 +170,7 @@ class DiskTier(Tier):
                 self.stats.corrupt += 1
                 self._forget(key)
                 try:
-                    os.replace(path, path.with_suffix(".blk.corrupt"))
+                    os.replace(path, path + ".corrupt")
                 except OSError:
                     pass
             return None

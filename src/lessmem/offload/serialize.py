@@ -30,7 +30,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import struct
 import zlib
 from typing import Mapping
@@ -138,6 +140,32 @@ def read_header(prefix: bytes) -> tuple[int, int, int]:
     return hlen, plen, crc
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_header(header: bytes, plen: int) -> tuple[tuple, dict, dict]:
+    """The tensor table ``(name, dtype, shape, offset, nbytes)``, QTensor descriptions and
+    meta of a header, checked against the payload length. Cached: a tier re-reads the
+    same blocks every decoding step, and parsing is most of a small block's CPU cost
+    (the CRC over the header and payload is still checked on every read)."""
+    try:
+        head = json.loads(header)
+        if head.get("v") != VERSION:
+            raise CorruptBlockError(f"block version {head.get('v')!r}; this reader knows {VERSION}")
+        table = []
+        for e in head["tensors"]:
+            o, n, dt = e["offset"], e["nbytes"], _DTYPES[e["dtype"]]
+            shape = tuple(e["shape"])
+            if o < 0 or o + n > plen:
+                raise CorruptBlockError(f"tensor {e['name']!r} [{o}, {o + n}) outside payload of {plen}")
+            if n % dt.itemsize or n // dt.itemsize != math.prod(shape):
+                raise CorruptBlockError(f"tensor {e['name']!r}: {n} bytes do not hold {list(shape)} {dt}")
+            table.append((e["name"], dt, shape, o, n))
+        return tuple(table), head["q"], head["meta"]
+    except CorruptBlockError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptBlockError(f"block table unreadable: {e}") from e
+
+
 def unpack_block(blob: bytes | bytearray | memoryview) -> tuple[dict, dict]:
     """Verify and deserialize; returns ``(block, meta)``. Raises CorruptBlockError.
 
@@ -152,26 +180,21 @@ def unpack_block(blob: bytes | bytearray | memoryview) -> tuple[dict, dict]:
     if zlib.crc32(body) != crc:
         raise CorruptBlockError("block checksum mismatch")
     try:
-        head = json.loads(bytes(body[:hlen]))
-        if head.get("v") != VERSION:
-            raise CorruptBlockError(f"block version {head.get('v')!r}; this reader knows {VERSION}")
+        table, qdesc, meta = _parse_header(bytes(body[:hlen]), plen)
         if not isinstance(blob, bytearray):
             blob = bytearray(view)
         start = HEADER_BYTES + hlen
-        buf = (torch.frombuffer(blob, dtype=torch.uint8, offset=start, count=plen) if plen
-               else torch.empty(0, dtype=torch.uint8))
         flat = {}
-        for e in head["tensors"]:
-            o, n = e["offset"], e["nbytes"]
-            if o < 0 or o + n > plen:
-                raise CorruptBlockError(f"tensor {e['name']!r} [{o}, {o + n}) outside payload of {plen}")
-            dt = _DTYPES[e["dtype"]]
-            flat[e["name"]] = buf[o:o + n].view(dt).reshape(e["shape"])
+        for name, dt, shape, o, n in table:  # each tensor views the blob (no copy)
+            flat[name] = (torch.frombuffer(blob, dtype=dt, offset=start + o, count=n // dt.itemsize)
+                          .view(shape) if n else torch.empty(shape, dtype=dt))
+        if not qdesc:
+            return flat, dict(meta)
         block: dict = {}
         for name, t in flat.items():
             if "#" not in name:
                 block[name] = t
-        for name, q in head["q"].items():
+        for name, q in qdesc.items():
             f = q["fmt"]
             fmt = QFormat(f["kind"], f["bits"], Granularity.from_dict(f["granularity"]),
                           f["symmetric"], f["variant"])
@@ -182,9 +205,9 @@ def unpack_block(blob: bytes | bytearray | memoryview) -> tuple[dict, dict]:
                 shape=tuple(q["shape"]), dtype=_DTYPES[q["dtype"]], meta=gm,
                 extra={p[6:]: get(p) for p in q["parts"] if p.startswith("extra.")})
         # restore the caller's entry order
-        order = [e["name"].split("#")[0] for e in head["tensors"]]
+        order = [e[0].split("#")[0] for e in table]
         block = {k: block[k] for k in dict.fromkeys(order)}
-        return block, head["meta"]
+        return block, dict(meta)
     except CorruptBlockError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
