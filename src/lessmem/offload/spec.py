@@ -23,57 +23,10 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from lessmem.plan.units import parse_bytes  # the one size rule (torch-free); re-exported here
-
-KINDS = ("device", "host", "disk", "remote")
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    """One tier as written on the command line: ``kind``, ``target`` (path or URL), ``capacity``."""
-
-    kind: str
-    target: str | None = None
-    capacity: int | None = None
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"tier kind {self.kind!r}; allowed: {', '.join(KINDS)}")
-        if self.kind in ("disk", "remote") and not self.target:
-            raise ValueError(f"a {self.kind} tier needs a {'path' if self.kind == 'disk' else 'URL'}")
-        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 0):
-            raise ValueError(f"capacity={self.capacity!r} must be a non-negative int or None")
-
-    def build(self, capacity: int | None = None):
-        """The tier object (``capacity`` overrides the spec's own)."""
-        from .disk import DiskTier
-        from .memory import DeviceTier, HostTier
-        from .remote import RedisTier
-
-        cap = self.capacity if capacity is None else capacity
-        if self.kind == "device":
-            return DeviceTier(cap)
-        if self.kind == "host":
-            return HostTier(cap)
-        if self.kind == "disk":
-            return DiskTier(self.target, cap)
-        return RedisTier(self.target, cap)
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "target": self.target, "capacity": self.capacity}
-
-
-def _split_size(entry: str) -> tuple[str, int | None]:
-    if "@" in entry:
-        head, tail = entry.rsplit("@", 1)
-        try:
-            return head, parse_bytes(tail)
-        except ValueError:
-            if not entry.startswith(("redis://", "rediss://", "unix://")):
-                raise
-    return entry, None
+# the grammar (and the one size rule) are torch-free in lessmem.plan, so the planner reads
+# and writes the same --offload strings; re-exported here
+from lessmem.plan.tierspec import KINDS, TierSpec, format_offload_spec, parse_offload_spec  # noqa: F401
+from lessmem.plan.units import parse_bytes  # noqa: F401
 
 
 def build_tiers(tiers) -> list:
@@ -99,27 +52,4 @@ def build_tiers(tiers) -> list:
         out.append(t)
     if not out:
         raise ValueError("no tiers given; allowed: at least one of host, disk:PATH, redis://...")
-    return out
-
-
-def parse_offload_spec(text: str) -> list[TierSpec]:
-    """``"host,disk:/path@10GiB,redis://h:6379/0"`` -> list of :class:`TierSpec` (see module doc)."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"offload spec {text!r} is empty; e.g. 'host,disk:/path,redis://127.0.0.1:6379/0'")
-    out = []
-    for raw in text.split(","):
-        entry, cap = _split_size(raw.strip())
-        if entry in ("device", "host"):
-            out.append(TierSpec(entry, None, cap))
-        elif entry.startswith("disk:") and len(entry) > 5:
-            out.append(TierSpec("disk", entry[5:], cap))
-        elif entry.startswith(("redis://", "rediss://", "unix://")):
-            out.append(TierSpec("remote", entry, cap))
-        else:
-            raise ValueError(f"offload tier {raw.strip()!r} is not understood; allowed: device[@SIZE], "
-                             "host[@SIZE], disk:PATH[@SIZE], redis://HOST:PORT/DB[@SIZE]")
-    kinds = [s.kind for s in out]
-    for k in ("device", "host"):
-        if kinds.count(k) > 1:
-            raise ValueError(f"offload spec {text!r} names the {k} tier twice")
     return out

@@ -1,0 +1,121 @@
+"""The ``--offload`` grammar, torch-free: tier lists as users type them.
+
+``parse_offload_spec("host@2GiB,disk:/var/kv@20GiB,redis://127.0.0.1:6379/0")`` gives one
+:class:`TierSpec` per comma-separated entry, fastest first:
+
+- ``device[@SIZE]``                 where attention runs (CUDA memory, or RAM on CPU)
+- ``host[@SIZE]``                   CPU RAM
+- ``disk:PATH[@SIZE]``              a directory (created if missing)
+- ``redis://HOST:PORT/DB[@SIZE]``   a shared Redis store (``rediss://`` and ``unix://`` too)
+
+``@SIZE`` is a capacity in bytes (:func:`lessmem.plan.units.parse_bytes`: KB 1000-based,
+KiB and a bare K 1024-based); without it the tier is unbounded. The planner reads the
+same strings (``lessmem plan --offload``) and writes them back (:func:`format_offload_spec`)
+for ``lessmem generate``/``eval``; ``lessmem.offload`` builds the tiers they name.
+
+Example:
+    >>> specs = parse_offload_spec("host@1GiB,disk:/tmp/kv")
+    >>> [(s.kind, s.target, s.capacity) for s in specs], format_offload_spec(specs)
+    ([('host', None, 1073741824), ('disk', '/tmp/kv', None)], 'host@1GiB,disk:/tmp/kv')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .units import parse_bytes
+
+KINDS = ("device", "host", "disk", "remote")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier as written on the command line: ``kind``, ``target`` (path or URL), ``capacity``."""
+
+    kind: str
+    target: str | None = None
+    capacity: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"tier kind {self.kind!r}; allowed: {', '.join(KINDS)}")
+        if self.kind in ("disk", "remote") and not self.target:
+            raise ValueError(f"a {self.kind} tier needs a {'path' if self.kind == 'disk' else 'URL'}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 0):
+            raise ValueError(f"capacity={self.capacity!r} must be a non-negative int or None")
+
+    def build(self, capacity: int | None = None):
+        """The tier object (``capacity`` overrides the spec's own); imports ``lessmem.offload``
+        (and torch) only when called."""
+        from lessmem.offload.disk import DiskTier
+        from lessmem.offload.memory import DeviceTier, HostTier
+        from lessmem.offload.remote import RedisTier
+
+        cap = self.capacity if capacity is None else capacity
+        if self.kind == "device":
+            return DeviceTier(cap)
+        if self.kind == "host":
+            return HostTier(cap)
+        if self.kind == "disk":
+            return DiskTier(self.target, cap)
+        return RedisTier(self.target, cap)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "target": self.target, "capacity": self.capacity}
+
+    def to_text(self) -> str:
+        """The entry as ``--offload`` takes it (``parse_offload_spec`` reads it back exactly).
+
+        Example:
+            >>> TierSpec("disk", "/tmp/kv", 3 * 2**30).to_text(), TierSpec("host").to_text()
+            ('disk:/tmp/kv@3GiB', 'host')
+        """
+        head = {"device": "device", "host": "host", "disk": f"disk:{self.target}"}.get(self.kind, self.target)
+        return head if self.capacity is None else f"{head}@{size_text(self.capacity)}"
+
+
+def size_text(n: int) -> str:
+    """Bytes as the largest exact binary unit: ``size_text(3 * 2**30) == "3GiB"``, ``"1000B"``."""
+    for unit, div in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n}B"
+
+
+def format_offload_spec(specs) -> str:
+    """The ``--offload`` string for a list of :class:`TierSpec` (inverse of ``parse_offload_spec``)."""
+    return ",".join(s.to_text() for s in specs)
+
+
+def _split_size(entry: str) -> tuple[str, int | None]:
+    if "@" in entry:
+        head, tail = entry.rsplit("@", 1)
+        try:
+            return head, parse_bytes(tail)
+        except ValueError:
+            if not entry.startswith(("redis://", "rediss://", "unix://")):
+                raise
+    return entry, None
+
+
+def parse_offload_spec(text: str) -> list[TierSpec]:
+    """``"host,disk:/path@10GiB,redis://h:6379/0"`` -> list of :class:`TierSpec` (see module doc)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"offload spec {text!r} is empty; e.g. 'host,disk:/path,redis://127.0.0.1:6379/0'")
+    out = []
+    for raw in text.split(","):
+        entry, cap = _split_size(raw.strip())
+        if entry in ("device", "host"):
+            out.append(TierSpec(entry, None, cap))
+        elif entry.startswith("disk:") and len(entry) > 5:
+            out.append(TierSpec("disk", entry[5:], cap))
+        elif entry.startswith(("redis://", "rediss://", "unix://")):
+            out.append(TierSpec("remote", entry, cap))
+        else:
+            raise ValueError(f"offload tier {raw.strip()!r} is not understood; allowed: device[@SIZE], "
+                             "host[@SIZE], disk:PATH[@SIZE], redis://HOST:PORT/DB[@SIZE]")
+    kinds = [s.kind for s in out]
+    for k in ("device", "host"):
+        if kinds.count(k) > 1:
+            raise ValueError(f"offload spec {text!r} names the {k} tier twice")
+    return out
