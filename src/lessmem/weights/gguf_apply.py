@@ -29,6 +29,8 @@ from .gguf_mix import gguf_name, tensor_type
 def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
     n_layers = int(getattr(model.config, "num_hidden_layers", 1))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    heads = int(getattr(model.config, "num_attention_heads", 1) or 1)
+    n_gqa = heads // int(getattr(model.config, "num_key_value_heads", None) or heads)
     types, nbytes, numel = {}, 0, 0
     done = set()
     for name, mod in model.named_modules():
@@ -41,7 +43,8 @@ def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
         gname = gguf_name(name) or f"{name}.weight"
         if gname == "output.weight" and tied:
             gname = "token_embd.weight"  # the tied tensor is stored once, as token_embd
-        t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied)
+        t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied,
+                        n_gqa=n_gqa)
         raw = quantize_gguf(mod.weight.detach(), t)
         with torch.no_grad():
             mod.weight.copy_(dequantize_gguf(raw, t, tuple(mod.weight.shape)).to(mod.weight.dtype))

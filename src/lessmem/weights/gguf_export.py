@@ -50,6 +50,10 @@ def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     n_layers = int(reader.fields[f"{arch}.block_count"].contents())
+    heads = reader.fields.get(f"{arch}.attention.head_count")
+    kv = reader.fields.get(f"{arch}.attention.head_count_kv")
+    n_gqa = int(heads.contents()) // int(kv.contents()) if heads and kv and not isinstance(
+        kv.contents(), list) else 1  # query heads per KV head (llama.cpp's n_gqa)
     names = {t.name for t in reader.tensors}
     has_output = "output.weight" in names
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +64,7 @@ def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     for i, t in enumerate(reader.tensors):
         shape = [int(s) for s in reversed(list(t.shape))]  # numpy order: [rows, cols]
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        typ = tensor_type(mix, t.name, shape[-1], n_layers, has_output, ndim=len(shape))
+        typ = tensor_type(mix, t.name, shape[-1], n_layers, has_output, ndim=len(shape), n_gqa=n_gqa)
         if typ == "f32":
             writer.add_tensor(t.name, w)
             nbytes += w.nbytes
