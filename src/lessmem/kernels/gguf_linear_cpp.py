@@ -43,17 +43,16 @@ from ._build import load_cpp
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/util/Half.h>
-#include <vector>
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 // ~1M weights: below this one thread decodes faster than a parallel region wakes up.
 #define PAR_MIN_WORK 1048576
-#define MB 16  // input rows per pass over a weight row (accumulators: MB x 32 floats)
+#define MB 16  // input rows per pass over a weight row
 
 static inline float h2f(const uint8_t* p) {
   uint16_t b; std::memcpy(&b, p, 2);
@@ -64,106 +63,148 @@ static inline float h2f(const uint8_t* p) {
 #endif
 }
 
+// ---------------------------------------------------------------- 16-float vectors
+// V16 is one AVX-512 register, two AVX2 registers, or 16 floats (any other CPU).
+#if defined(__AVX512F__)
+struct V16 { __m512 v; };
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vset(float a) { return {_mm512_set1_ps(a)}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+static inline V16 vcodes(const uint8_t* q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q)))}; }
+static inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline float vsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 { __m256 lo, hi; };
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vset(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline V16 vcodes(const uint8_t* q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))))};
+}
+static inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline float vsum(V16 a) { float t[16]; vstore(t, a); float s = 0.f; for (int i = 0; i < 16; ++i) s += t[i]; return s; }
+#else
+struct V16 { float f[16]; };
+static inline V16 vzero() { V16 r; for (int i = 0; i < 16; ++i) r.f[i] = 0.f; return r; }
+static inline V16 vset(float a) { V16 r; for (int i = 0; i < 16; ++i) r.f[i] = a; return r; }
+static inline V16 vload(const float* p) { V16 r; std::memcpy(r.f, p, 64); return r; }
+static inline void vstore(float* p, V16 a) { std::memcpy(p, a.f, 64); }
+static inline V16 vcodes(const uint8_t* q) { V16 r; for (int i = 0; i < 16; ++i) r.f[i] = (float)q[i]; return r; }
+static inline V16 vadd(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.f[i] += b.f[i]; return a; }
+static inline V16 vsub(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.f[i] -= b.f[i]; return a; }
+static inline V16 vmul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.f[i] *= b.f[i]; return a; }
+static inline V16 vfma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.f[i] = __builtin_fmaf(a.f[i], b.f[i], c.f[i]); return c; }
+static inline float vsum(V16 a) { float s = 0.f; for (int i = 0; i < 16; ++i) s += a.f[i]; return s; }
+#endif
+
 // ---------------------------------------------------------------- block decoders
-// Each writes QK floats, the same float32 operations as formats/gguf*.py's dequantizers.
+// decode<T>(block, q, a, b): byte ops only. q[QK] gets every element's unsigned code and
+// each group g of 16 elements its float32 factors, so that the weight is
+//   sym  (ASYM = 0):  w = a[g] * ((float)q - OFF)       (Q4_0 Q5_0 Q8_0 Q3_K Q6_K)
+//   asym (ASYM = 1):  w = a[g] * (float)q + b[g]        (Q4_1 Q5_1 Q2_K Q4_K Q5_K)
+// -- the float32 operations of formats/gguf*.py's dequantizers, in their order ((float)q -
+// OFF is exact, and x - y == x + (-y) in IEEE, so K-quants' (d*sc)*q - (dmin*m) is b = -(dmin*m)).
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-template <int T> struct Traits;
-template <> struct Traits<Q4_0> { static constexpr int QK = 32, TS = 18; };
-template <> struct Traits<Q4_1> { static constexpr int QK = 32, TS = 20; };
-template <> struct Traits<Q5_0> { static constexpr int QK = 32, TS = 22; };
-template <> struct Traits<Q5_1> { static constexpr int QK = 32, TS = 24; };
-template <> struct Traits<Q8_0> { static constexpr int QK = 32, TS = 34; };
-template <> struct Traits<Q2_K> { static constexpr int QK = 256, TS = 84; };
-template <> struct Traits<Q3_K> { static constexpr int QK = 256, TS = 110; };
-template <> struct Traits<Q4_K> { static constexpr int QK = 256, TS = 144; };
-template <> struct Traits<Q5_K> { static constexpr int QK = 256, TS = 176; };
-template <> struct Traits<Q6_K> { static constexpr int QK = 256, TS = 210; };
+template <int T> struct Traits;  // QK elements per block, TS bytes per block
+template <> struct Traits<Q4_0> { static constexpr int QK = 32, TS = 18, ASYM = 0, OFF = 8; };
+template <> struct Traits<Q4_1> { static constexpr int QK = 32, TS = 20, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q5_0> { static constexpr int QK = 32, TS = 22, ASYM = 0, OFF = 16; };
+template <> struct Traits<Q5_1> { static constexpr int QK = 32, TS = 24, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q8_0> { static constexpr int QK = 32, TS = 34, ASYM = 0, OFF = 128; };
+template <> struct Traits<Q2_K> { static constexpr int QK = 256, TS = 84, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q3_K> { static constexpr int QK = 256, TS = 110, ASYM = 0, OFF = 4; };
+template <> struct Traits<Q4_K> { static constexpr int QK = 256, TS = 144, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q5_K> { static constexpr int QK = 256, TS = 176, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q6_K> { static constexpr int QK = 256, TS = 210, ASYM = 0, OFF = 32; };
 
-template <int T> static inline void decode(const uint8_t* b, float* out);
+// Q5_0/Q5_1 high bits: bit i of a byte -> 16 in byte i of a u64 (OR-ed into the codes).
+struct BitTable {
+  uint64_t t[256];
+  BitTable() {
+    for (int v = 0; v < 256; ++v) {
+      uint64_t r = 0;
+      for (int i = 0; i < 8; ++i) if ((v >> i) & 1) r |= (uint64_t)16 << (8 * i);
+      t[v] = r;
+    }
+  }
+};
+static const BitTable BITS5;
 
-// Q4_0: d, qs[16]; element j in the low nibble of qs[j], j+16 in the high. x = d*(q-8)
-template <> inline void decode<Q4_0>(const uint8_t* b, float* out) {
-  const float d = h2f(b); const uint8_t* qs = b + 2;
+static inline void nibbles32(const uint8_t* qs, uint8_t* q) {  // low nibbles 0..15, high 16..31
   #pragma omp simd
-  for (int j = 0; j < 16; ++j) {
-    out[j] = d * (float)((int)(qs[j] & 15) - 8);
-    out[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+  for (int j = 0; j < 16; ++j) { q[j] = qs[j] & 15; q[j + 16] = qs[j] >> 4; }
+}
+static inline void high5(const uint8_t* qh, uint8_t* q) {  // q[8i + bit] |= 16 * bit(qh[i])
+  for (int i = 0; i < 4; ++i) {
+    uint64_t v; std::memcpy(&v, q + 8 * i, 8);
+    v |= BITS5.t[qh[i]];
+    std::memcpy(q + 8 * i, &v, 8);
   }
 }
-// Q4_1: d, m, qs[16]. x = d*q + m
-template <> inline void decode<Q4_1>(const uint8_t* b, float* out) {
-  const float d = h2f(b), m = h2f(b + 2); const uint8_t* qs = b + 4;
-  #pragma omp simd
-  for (int j = 0; j < 16; ++j) {
-    out[j] = d * (float)(qs[j] & 15) + m;
-    out[j + 16] = d * (float)(qs[j] >> 4) + m;
-  }
+
+template <int T> static inline void decode(const uint8_t* b, uint8_t* q, float* a, float* c);
+
+// Q4_0: d, qs[16]; element j in the low nibble of qs[j], j+16 in the high. w = d*(q-8)
+template <> inline void decode<Q4_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  nibbles32(b + 2, q); a[0] = a[1] = h2f(b);
 }
-// Q5_0: d, qh (bit j of a little-endian u32 = bit 4 of element j), qs[16]. x = d*(q-16)
-template <> inline void decode<Q5_0>(const uint8_t* b, float* out) {
-  const float d = h2f(b); uint32_t qh; std::memcpy(&qh, b + 2, 4); const uint8_t* qs = b + 6;
-  #pragma omp simd
-  for (int j = 0; j < 16; ++j) {
-    const int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    out[j] = d * (float)(lo - 16);
-    out[j + 16] = d * (float)(hi - 16);
-  }
+// Q4_1: d, m, qs[16]. w = d*q + m
+template <> inline void decode<Q4_1>(const uint8_t* b, uint8_t* q, float* a, float* c) {
+  nibbles32(b + 4, q); a[0] = a[1] = h2f(b); c[0] = c[1] = h2f(b + 2);
 }
-// Q5_1: d, m, qh, qs[16]. x = d*q + m
-template <> inline void decode<Q5_1>(const uint8_t* b, float* out) {
-  const float d = h2f(b), m = h2f(b + 2); uint32_t qh; std::memcpy(&qh, b + 4, 4); const uint8_t* qs = b + 8;
-  #pragma omp simd
-  for (int j = 0; j < 16; ++j) {
-    const int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    out[j] = d * (float)lo + m;
-    out[j + 16] = d * (float)hi + m;
-  }
+// Q5_0: d, qh (bit j of a little-endian u32 = bit 4 of element j), qs[16]. w = d*(q-16)
+template <> inline void decode<Q5_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  nibbles32(b + 6, q); high5(b + 2, q); a[0] = a[1] = h2f(b);
 }
-// Q8_0: d, qs[32] int8. x = q*d
-template <> inline void decode<Q8_0>(const uint8_t* b, float* out) {
-  const float d = h2f(b); const int8_t* qs = (const int8_t*)(b + 2);
+// Q5_1: d, m, qh, qs[16]. w = d*q + m
+template <> inline void decode<Q5_1>(const uint8_t* b, uint8_t* q, float* a, float* c) {
+  nibbles32(b + 8, q); high5(b + 4, q); a[0] = a[1] = h2f(b); c[0] = c[1] = h2f(b + 2);
+}
+// Q8_0: d, qs[32] int8. w = q*d; codes held as q ^ 0x80 = q + 128, OFF 128
+template <> inline void decode<Q8_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
   #pragma omp simd
-  for (int j = 0; j < 32; ++j) out[j] = (float)qs[j] * d;
+  for (int j = 0; j < 32; ++j) q[j] = b[2 + j] ^ 0x80;
+  a[0] = a[1] = h2f(b);
 }
 // Q2_K: scales[16] (lo nibble scale, hi min), qs[64], d, dmin. Element 128h + 32k + l is
-// (qs[32h + l] >> 2k) & 3, sub-block of 16 s = e/16. x = (d*sc)*q - (dmin*m)
-template <> inline void decode<Q2_K>(const uint8_t* b, float* out) {
+// (qs[32h + l] >> 2k) & 3; group s = e/16. w = (d*sc)*q - (dmin*m)
+template <> inline void decode<Q2_K>(const uint8_t* b, uint8_t* q, float* a, float* c) {
   const uint8_t* sc = b; const uint8_t* qs = b + 16;
-  const float d = h2f(b + 80), dmin = h2f(b + 82);
   for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 4; ++k)
-      for (int hf = 0; hf < 2; ++hf) {
-        const int s = 8 * h + 2 * k + hf;
-        const float dl = d * (float)(sc[s] & 15), ml = dmin * (float)(sc[s] >> 4);
-        const uint8_t* q = qs + 32 * h + 16 * hf;
-        float* o = out + 128 * h + 32 * k + 16 * hf;
-        #pragma omp simd
-        for (int l = 0; l < 16; ++l) o[l] = dl * (float)((q[l] >> (2 * k)) & 3) - ml;
-      }
+    for (int k = 0; k < 4; ++k) {
+      #pragma omp simd
+      for (int l = 0; l < 32; ++l) q[128 * h + 32 * k + l] = (qs[32 * h + l] >> (2 * k)) & 3;
+    }
+  const float d = h2f(b + 80), dmin = h2f(b + 82);
+  for (int s = 0; s < 16; ++s) { a[s] = d * (float)(sc[s] & 15); c[s] = -(dmin * (float)(sc[s] >> 4)); }
 }
 // Q3_K: hmask[32], qs[64], scales[12] (16 six-bit, signed - 32), d. Low 2 bits as Q2_K;
-// bit 2 of element e is (hmask[e % 32] >> (e / 32)) & 1, and q = low - 4 when it is 0.
-template <> inline void decode<Q3_K>(const uint8_t* b, float* out) {
+// bit 2 of element e is (hmask[e % 32] >> (e / 32)) & 1; w = (d*sc) * (code - 4).
+template <> inline void decode<Q3_K>(const uint8_t* b, uint8_t* q, float* a, float*) {
   const uint8_t* hm = b; const uint8_t* qs = b + 32; const uint8_t* s12 = b + 96;
-  const float d = h2f(b + 108);
   for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 4; ++k)
-      for (int hf = 0; hf < 2; ++hf) {
-        const int s = 8 * h + 2 * k + hf;
-        const int lo = s < 8 ? (s12[s] & 15) : (s12[s - 8] >> 4);
-        const int hi = (s12[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
-        const float dl = d * (float)((int)(int8_t)(uint8_t)(lo | (hi << 4)) - 32);
-        const uint8_t* q = qs + 32 * h + 16 * hf;
-        const uint8_t* m = hm + 16 * hf;
-        const int shift = 4 * h + k;
-        float* o = out + 128 * h + 32 * k + 16 * hf;
-        #pragma omp simd
-        for (int l = 0; l < 16; ++l) {
-          const int v = ((q[l] >> (2 * k)) & 3) - (((m[l] >> shift) & 1) ? 0 : 4);
-          o[l] = dl * (float)v;
-        }
-      }
+    for (int k = 0; k < 4; ++k) {
+      const int g = 4 * h + k;
+      #pragma omp simd
+      for (int l = 0; l < 32; ++l)
+        q[32 * g + l] = ((qs[32 * h + l] >> (2 * k)) & 3) | (((hm[l] >> g) & 1) << 2);
+    }
+  const float d = h2f(b + 108);
+  for (int s = 0; s < 16; ++s) {
+    const int lo = s < 8 ? (s12[s] & 15) : (s12[s - 8] >> 4);
+    const int hi = (s12[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+    a[s] = d * (float)((lo | (hi << 4)) - 32);
+  }
 }
 // Q4_K / Q5_K: d, dmin, scales[12] (8 six-bit scales and mins), [qh[32]], qs[128].
 // Element 64c + 32h + l is (qs[32c + l] >> 4h) & 15 (| bit (2c+h) of qh[l] << 4 for Q5_K).
@@ -171,89 +212,100 @@ static inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
   if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
   else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
-template <bool FIVE> static inline void decode_q45k(const uint8_t* b, float* out) {
-  const float d = h2f(b), dmin = h2f(b + 2);
+template <bool FIVE> static inline void decode_q45k(const uint8_t* b, uint8_t* q, float* a, float* c) {
   const uint8_t* s = b + 4; const uint8_t* qh = b + 16; const uint8_t* qs = b + (FIVE ? 48 : 16);
-  for (int c = 0; c < 4; ++c)
+  for (int cc = 0; cc < 4; ++cc)
     for (int h = 0; h < 2; ++h) {
-      int sc, mn; scale_min_k4(s, 2 * c + h, sc, mn);
-      const float dl = d * (float)sc, ml = dmin * (float)mn;
-      const uint8_t* q = qs + 32 * c;
-      float* o = out + 64 * c + 32 * h;
-      const int sh = 4 * h, hb = 2 * c + h;
+      const int sh = 4 * h, hb = 2 * cc + h;
       #pragma omp simd
       for (int l = 0; l < 32; ++l) {
-        int v = (q[l] >> sh) & 15;
+        uint8_t v = (qs[32 * cc + l] >> sh) & 15;
         if (FIVE) v |= ((qh[l] >> hb) & 1) << 4;
-        o[l] = dl * (float)v - ml;
+        q[64 * cc + 32 * h + l] = v;
       }
     }
+  const float d = h2f(b), dmin = h2f(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn; scale_min_k4(s, j, sc, mn);
+    a[2 * j] = a[2 * j + 1] = d * (float)sc;
+    c[2 * j] = c[2 * j + 1] = -(dmin * (float)mn);
+  }
 }
-template <> inline void decode<Q4_K>(const uint8_t* b, float* out) { decode_q45k<false>(b, out); }
-template <> inline void decode<Q5_K>(const uint8_t* b, float* out) { decode_q45k<true>(b, out); }
+template <> inline void decode<Q4_K>(const uint8_t* b, uint8_t* q, float* a, float* c) { decode_q45k<false>(b, q, a, c); }
+template <> inline void decode<Q5_K>(const uint8_t* b, uint8_t* q, float* a, float* c) { decode_q45k<true>(b, q, a, c); }
 // Q6_K: ql[128], qh[64], scales[16] int8, d. In half h, quarter k, lane l (e = 128h+32k+l):
 // low 4 bits (ql[64h + 32(k%2) + l] >> 4(k/2)) & 15, high 2 bits (qh[32h + l] >> 2k) & 3.
-template <> inline void decode<Q6_K>(const uint8_t* b, float* out) {
+template <> inline void decode<Q6_K>(const uint8_t* b, uint8_t* q, float* a, float*) {
   const uint8_t* ql = b; const uint8_t* qh = b + 128; const int8_t* sc = (const int8_t*)(b + 192);
-  const float d = h2f(b + 208);
   for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 4; ++k)
-      for (int hf = 0; hf < 2; ++hf) {
-        const float dl = d * (float)sc[8 * h + 2 * k + hf];
-        const uint8_t* lq = ql + 64 * h + 32 * (k & 1) + 16 * hf;
-        const uint8_t* hq = qh + 32 * h + 16 * hf;
-        const int ls = 4 * (k >> 1), hs = 2 * k;
-        float* o = out + 128 * h + 32 * k + 16 * hf;
-        #pragma omp simd
-        for (int l = 0; l < 16; ++l) {
-          const int v = (((lq[l] >> ls) & 15) | (((hq[l] >> hs) & 3) << 4)) - 32;
-          o[l] = dl * (float)v;
-        }
-      }
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* lq = ql + 64 * h + 32 * (k & 1);
+      const uint8_t* hq = qh + 32 * h;
+      const int ls = 4 * (k >> 1), hs = 2 * k;
+      #pragma omp simd
+      for (int l = 0; l < 32; ++l) q[128 * h + 32 * k + l] = ((lq[l] >> ls) & 15) | (((hq[l] >> hs) & 3) << 4);
+    }
+  const float d = h2f(b + 208);
+  for (int s = 0; s < 16; ++s) a[s] = d * (float)sc[s];
+}
+
+// The 16 weights of group g, exactly as the reference decodes them.
+template <int T> static inline V16 weights16(const uint8_t* q, const float* a, const float* c, int g) {
+  const V16 v = vcodes(q + 16 * g);
+  if (Traits<T>::ASYM) return vadd(vmul(vset(a[g]), v), vset(c[g]));
+  return vmul(vset(a[g]), vsub(v, vset((float)Traits<T>::OFF)));
 }
 
 // ---------------------------------------------------------------- kernels
+// y[m, n] = sum_k x[m, k] * w[n, k]; rows n split across threads, each block decoded
+// once to codes and factors (L1), expanded 16 weights at a time in registers, used for
+// up to MB input rows (two accumulators per row hide the multiply-add latency).
+template <int T, int NM>
+static inline void row_dot(const uint8_t* row, const float* x, int64_t K, int64_t nb, int mb, float* out) {
+  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
+  const int rows = NM > 0 ? NM : mb;
+  alignas(64) uint8_t q[QK];
+  float a[NG], c[NG];
+  V16 acc[NM > 0 ? NM : MB][2];
+  for (int m = 0; m < rows; ++m) acc[m][0] = acc[m][1] = vzero();
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    decode<T>(row + ib * TS, q, a, c);
+    const float* xb = x + ib * QK;
+    for (int g = 0; g < NG; ++g) {
+      const V16 w = weights16<T>(q, a, c, g);
+      for (int m = 0; m < rows; ++m) acc[m][g & 1] = vfma(vload(xb + m * K + 16 * g), w, acc[m][g & 1]);
+    }
+  }
+  for (int m = 0; m < rows; ++m) out[m] = vsum(vadd(acc[m][0], acc[m][1]));
+}
+
 template <int T>
 static void fused_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS;
   const int64_t nb = K / QK, rb = nb * TS;
-  #pragma omp parallel if(N * K * M >= PAR_MIN_WORK)
-  {
-    alignas(64) float c[QK];
-    alignas(64) float acc[MB][32];
-    #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const uint8_t* row = w + n * rb;
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = std::min<int64_t>(MB, M - m0);
-        for (int64_t m = 0; m < mb; ++m) std::fill(acc[m], acc[m] + 32, 0.f);
-        for (int64_t ib = 0; ib < nb; ++ib) {
-          decode<T>(row + ib * TS, c);
-          for (int64_t m = 0; m < mb; ++m) {
-            const float* xb = x + (m0 + m) * K + ib * QK;
-            float* a = acc[m];
-            for (int j0 = 0; j0 < QK; j0 += 32) {
-              #pragma omp simd aligned(a : 64)
-              for (int j = 0; j < 32; ++j) a[j] = __builtin_fmaf(xb[j0 + j], c[j0 + j], a[j]);
-            }
-          }
-        }
-        for (int64_t m = 0; m < mb; ++m) {
-          float s = 0.f;
-          for (int j = 0; j < 32; ++j) s += acc[m][j];
-          y[(m0 + m) * N + n] = s;
-        }
-      }
+  #pragma omp parallel for schedule(static) if(N * K * M >= PAR_MIN_WORK)
+  for (int64_t n = 0; n < N; ++n) {
+    float out[MB];
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int mb = (int)std::min<int64_t>(MB, M - m0);
+      if (mb == 1) row_dot<T, 1>(w + n * rb, x + m0 * K, K, nb, 1, out);
+      else row_dot<T, 0>(w + n * rb, x + m0 * K, K, nb, mb, out);
+      for (int m = 0; m < mb; ++m) y[(m0 + m) * N + n] = out[m];
     }
   }
 }
 
 template <int T>
 static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
-  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS;
+  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
   const int64_t nb = K / QK;
   #pragma omp parallel for schedule(static) if(N * K >= PAR_MIN_WORK)
-  for (int64_t i = 0; i < N * nb; ++i) decode<T>(w + i * TS, out + i * QK);
+  for (int64_t i = 0; i < N * nb; ++i) {
+    alignas(64) uint8_t q[QK];
+    float a[NG], c[NG];
+    decode<T>(w + i * TS, q, a, c);
+    for (int g = 0; g < NG; ++g) vstore(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
+  }
 }
 
 #define DISPATCH(F, ...) switch (type) { \
