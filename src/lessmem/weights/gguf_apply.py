@@ -1,9 +1,18 @@
-"""``GGUFConfig`` in memory: encode each linear's weight in its GGUF type, decode in place.
+"""``GGUFConfig`` in memory: each linear's weight held as raw GGUF blocks (``GGUFLinear``).
 
 The type per linear follows ``gguf_mix.tensor_type`` with the HF→GGUF tensor names of
 ``gguf_mix.gguf_name`` (so Q4_K_M gives Q6_K to some ``attn_v``/``ffn_down`` layers and
-to the output). The weights stay ``nn.Linear`` (float) holding exactly the values
-llama.cpp would decode; the report gives the GGUF bytes and bits per weight.
+to the output). Each ``nn.Linear`` is replaced by a ``GGUFLinear`` holding the bytes
+llama.cpp would write (fused dequant-matmul kernel on forward), so the model really
+shrinks in RAM. Exception: an ``lm_head`` tied to the input embeddings stays a float
+``nn.Linear`` sharing the embedding's tensor (as llama.cpp's ``token_embd``, it is encoded
+and decoded in place, so embeddings and logits see the GGUF values); holding it a second
+time as blocks would add bytes, not save them. The report lists it under ``kept_float``.
+
+Report keys: ``method``, ``config``, ``types`` (name → GGUF type, every encoded linear),
+``bytes`` (GGUF bytes of all encoded weights, what a file stores), ``bits_per_weight``,
+``n_quantized``, and ``kept_float`` (name → why it stays float), ``bytes_held`` (bytes the
+``GGUFLinear`` layers hold, bias included).
 
 Example:
     >>> import lessmem
@@ -13,6 +22,8 @@ Example:
     >>> rep = apply_gguf(m, lessmem.GGUFConfig("Q4_K_M"))
     >>> rep["types"]["model.layers.1.mlp.down_proj"], rep["types"]["model.layers.0.mlp.down_proj"]
     ('q6_k', 'q4_k')
+    >>> type(m.model.layers[0].mlp.down_proj).__name__, rep["kept_float"]
+    ('GGUFLinear', {})
 """
 
 from __future__ import annotations
@@ -23,7 +34,11 @@ import torch
 from torch import nn
 
 from ..formats.gguf import dequantize_gguf, quantize_gguf
+from .arch import set_module
+from .gguf_linear import GGUFLinear
 from .gguf_mix import gguf_name, tensor_type
+
+TIED_NOTE = "tied to the input embeddings: encoded and decoded in place, kept float (shared tensor)"
 
 
 def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
@@ -31,8 +46,11 @@ def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     heads = int(getattr(model.config, "num_attention_heads", 1) or 1)
     n_gqa = heads // int(getattr(model.config, "num_key_value_heads", None) or heads)
-    types, nbytes, numel = {}, 0, 0
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    types, nbytes, numel, held = {}, 0, 0, 0
+    kept_float: dict[str, str] = {}
     done = set()
+    targets = []
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear or any(fnmatch.fnmatchcase(name, p) for p in config.skip):
             continue
@@ -40,18 +58,27 @@ def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
             continue
         if id(mod.weight) in done:
             continue
+        done.add(id(mod.weight))
+        targets.append((name, mod))
+    for name, mod in targets:  # replace after the walk: named_modules must not see new modules
         gname = gguf_name(name) or f"{name}.weight"
         if gname == "output.weight" and tied:
             gname = "token_embd.weight"  # the tied tensor is stored once, as token_embd
         t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied,
                         n_gqa=n_gqa)
         raw = quantize_gguf(mod.weight.detach(), t)
-        with torch.no_grad():
-            mod.weight.copy_(dequantize_gguf(raw, t, tuple(mod.weight.shape)).to(mod.weight.dtype))
-        done.add(id(mod.weight))
+        if id(mod.weight) in embedding_weights:  # tied lm_head: decode in place, stay float
+            with torch.no_grad():
+                mod.weight.copy_(dequantize_gguf(raw, t, tuple(mod.weight.shape)).to(mod.weight.dtype))
+            kept_float[name] = TIED_NOTE
+        else:
+            q = GGUFLinear.from_raw(torch.from_numpy(raw), t, mod.in_features, mod.bias)
+            set_module(model, name, q)
+            held += q.nbytes
         types[name] = t
         nbytes += raw.nbytes
         numel += mod.weight.numel()
     model._lessmem_quant = config.to_dict()
     return {"method": "gguf", "config": config.to_dict(), "types": types, "bytes": nbytes,
-            "bits_per_weight": 8.0 * nbytes / max(numel, 1), "n_quantized": len(types)}
+            "bits_per_weight": 8.0 * nbytes / max(numel, 1), "n_quantized": len(types),
+            "kept_float": kept_float, "bytes_held": held}

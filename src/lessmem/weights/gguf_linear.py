@@ -1,0 +1,123 @@
+"""``GGUFLinear``: a linear layer whose weight is held as raw GGUF blocks.
+
+The weight ``W [N, K]`` (``N = out_features``, ``K = in_features``) lives in the one
+registered buffer ``qweight`` — uint8 ``[N, K / block_size * type_size]``, the bytes a
+``.gguf`` file stores for the tensor (llama.cpp's layout, any of the ten types of
+``formats.gguf``) — plus an optional float32 ``bias``. Nothing else is kept, so
+``nbytes`` is ``N · K · bpw / 8`` (+ bias): Q4_0 4.5 bits per weight, Q4_K 4.5, Q6_K
+6.5625, Q8_0 8.5, against 32 for the float layer.
+
+Forward: up to ``FUSED_MAX_ROWS`` input rows (decoding) go through the fused C++ kernel
+``kernels.gguf_linear_cpp.gguf_linear`` (blocks decoded in registers, no float matrix);
+more rows (prefill) decode the weight once (bit-identical to
+``formats.gguf.dequantize_gguf``) and use BLAS, then drop it.
+
+Example:
+    >>> import torch
+    >>> from lessmem.weights.gguf_linear import GGUFLinear
+    >>> lin = torch.nn.Linear(256, 64)
+    >>> q = GGUFLinear.from_linear(lin, "Q4_K")
+    >>> q.gguf_type, q.nbytes, q.bits_per_weight
+    ('q4_k', 9472, 4.5)
+    >>> x = torch.randn(2, 256)
+    >>> bool((q(x) - lin(x)).abs().max() < 0.1)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats.gguf import gguf_type as _lookup
+from ..formats.gguf import quantize_gguf
+from ..kernels import gguf_linear_cpp as kernel
+
+FUSED_MAX_ROWS = 16  # above this many rows, decode once and use BLAS (compute-bound)
+
+
+class GGUFLinear(nn.Module):
+    """A linear layer with its weight in a GGUF block type; see the module doc."""
+
+    def __init__(self, in_features: int, out_features: int, gguf_type, bias: bool = True):
+        super().__init__()
+        t = _lookup(gguf_type)  # ValueError naming the allowed types
+        if in_features <= 0 or in_features % t.block_size:
+            raise ValueError(f"in_features={in_features} must be a positive multiple of the "
+                             f"{t.name.upper()} block size {t.block_size}")
+        if out_features <= 0:
+            raise ValueError(f"out_features={out_features} must be positive")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self._type = t
+        row_bytes = in_features // t.block_size * t.type_size
+        self.register_buffer("qweight", torch.zeros(out_features, row_bytes, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def from_raw(cls, raw, gguf_type, in_features: int, bias: torch.Tensor | None = None) -> GGUFLinear:
+        """Wrap raw GGUF rows (uint8 tensor or ndarray ``[N, row_bytes]``) of a ``[N, K]`` weight."""
+        raw = torch.as_tensor(raw)
+        if raw.dtype != torch.uint8 or raw.dim() != 2:
+            raise ValueError(f"raw GGUF rows must be a 2-D uint8 array [out_features, row_bytes], "
+                             f"got dtype {raw.dtype} and shape {tuple(raw.shape)}")
+        m = cls(in_features, raw.shape[0], gguf_type, bias is not None)
+        if tuple(raw.shape) != tuple(m.qweight.shape):
+            raise ValueError(f"raw has shape {tuple(raw.shape)}; in_features={in_features} in "
+                             f"{m.gguf_type.upper()} needs {tuple(m.qweight.shape)}")
+        m.qweight.copy_(raw)
+        if bias is not None:
+            m.bias.data = bias.detach().float().clone().reshape(-1)
+        return m
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, gguf_type, imatrix=None) -> GGUFLinear:
+        """Encode ``lin.weight`` in ``gguf_type`` with llama.cpp's quantizer (``imatrix``: optional
+        per-input-column importance, as ``llama-quantize --imatrix``)."""
+        raw = quantize_gguf(lin.weight.detach(), gguf_type, imatrix=imatrix)
+        return cls.from_raw(torch.from_numpy(raw), gguf_type, lin.in_features, lin.bias)
+
+    # ---- inspection ---------------------------------------------------------------
+    @property
+    def gguf_type(self) -> str:
+        """Lower-case GGUF type name (``"q4_k"``)."""
+        return self._type.name
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight of the GGUF type (block scales included, bias excluded)."""
+        return self._type.bits_per_weight
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the layer holds (raw blocks + bias)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers()) + (
+            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 ``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf`` (a new tensor)."""
+        return kernel.gguf_dequantize(self.qweight, self._type, self.out_features, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Read-only float view for code that inspects ``.weight``: decoded on each access."""
+        return self.dequantized_weight()
+
+    # ---- compute ------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features; this layer takes {self.in_features}")
+        dtype = x.dtype
+        rows = x.numel() // self.in_features
+        if rows > FUSED_MAX_ROWS:
+            y = F.linear(x.float(), self.dequantized_weight())
+        else:
+            y = kernel.gguf_linear(x, self.qweight, self._type, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"gguf_type={self.gguf_type}, bias={self.bias is not None}")
