@@ -11,6 +11,9 @@ Format (a directory):
   ``formats.packing.pack_bits``: little-endian bit stream, row-major), ``<name>.scale``
   (fp16 ``[N, K/group_size]``), ``<name>.zero_point`` (uint8 ``[N, K/group_size]``, code
   units; 2^(b-1) when symmetric) and ``<name>.bias``.  W_hat = scale · (u − zero_point).
+- ``GGUFLinear`` layers (``GGUFConfig``): ``<name>.qweight`` holds the raw GGUF blocks
+  (uint8 ``[N, row_bytes]``, llama.cpp's bytes) and ``<name>.bias``; the config lists them
+  under ``"gguf_modules": {name: {"gguf_type", "in_features", "out_features", "bias"}}``.
 - the tokenizer files, when a tokenizer is given.
 
 ``lessmem.load(dir)`` calls ``load_quantized`` when ``lessmem_quant.json`` exists.
@@ -38,6 +41,7 @@ import torch
 
 from ..formats.packing import pack_bits, unpack_bits
 from .arch import set_module
+from .gguf_linear import GGUFLinear
 from .qlinear import QuantLinear
 from .rtn import QuantizedWeight
 
@@ -63,7 +67,10 @@ def save_quantized(model, directory, tokenizer=None) -> None:
         modules[name] = {"bits": m.bits, "group_size": m.group_size, "symmetric": m.symmetric,
                          "act_bits": m.act_bits, "in_features": m.in_features,
                          "out_features": m.out_features, "bias": m.bias is not None}
-    for key, t in model.state_dict().items():
+    gguf_modules = {n: {"gguf_type": m.gguf_type, "in_features": m.in_features,
+                        "out_features": m.out_features, "bias": m.bias is not None}
+                    for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    for key, t in model.state_dict().items():  # GGUFLinear: its qweight and bias, as they are
         owner = key.rpartition(".")[0]
         if owner in qmods:
             continue
@@ -84,6 +91,8 @@ def save_quantized(model, directory, tokenizer=None) -> None:
             "model_config": model.config.to_dict(),
             "quantization": getattr(model, "_lessmem_quant", None),
             "modules": modules, "tied": tied}
+    if gguf_modules:
+        meta["gguf_modules"] = gguf_modules
     (d / MARKER).write_text(json.dumps(meta, indent=1, default=str))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(d))
@@ -116,6 +125,9 @@ def load_quantized(directory):
         q = QuantLinear.from_quantized(qw, bias, spec["act_bits"])
         set_module(model, name, q)
         qkeys.update(f"{name}.{key}" for key in q.state_dict())
+    for name, spec in meta.get("gguf_modules", {}).items():  # filled by load_state_dict below
+        set_module(model, name, GGUFLinear(spec["in_features"], spec["out_features"],
+                                           spec["gguf_type"], spec["bias"]))
     tied = meta.get("tied", {})
     for key, src in tied.items():  # re-tie what save_quantized stored once
         if key not in tensors and src in tensors:
