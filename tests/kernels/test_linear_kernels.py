@@ -8,6 +8,8 @@ from lessmem.kernels import int4_linear as i4
 from lessmem.kernels import linear_cpp
 from lessmem.kernels import linear_reference as ref
 
+ROWS = [1, 2, 3, 4, 5, 7, 8, 16]  # the fused path's batch sizes (tiles of 4 rows + remainders)
+
 
 @pytest.fixture(params=["cpp", "torch"])
 def backend(request, monkeypatch):
@@ -18,11 +20,29 @@ def backend(request, monkeypatch):
     return request.param
 
 
+def _lowbit_case(bits, n, k, gs, sym, seed):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, k // gs, generator=g) / 10 + 1e-3).half()
+    if sym:
+        zero = torch.full((n, k // gs), 2 ** (bits - 1), dtype=torch.uint8)
+    else:
+        zero = torch.randint(0, 2**bits, (n, k // gs), dtype=torch.uint8, generator=g)
+    return u, pack_bits(u, bits), scale, zero
+
+
+def _act16_bound(x, w, gs):
+    """|x̂ W^T − x W^T| ≤ Σ_k |W[n, k]| · d[m, g(k)] / 2 (plus float32 summation slack)."""
+    _, d = ref.quantize_act16(x.float(), gs)
+    step = d.double().repeat_interleave(gs, dim=1) / 2
+    return step @ w.abs().T + 1e-5 * (x.double().abs() @ w.abs().T)
+
+
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_int8_matches_reference(backend, m):
     g = torch.Generator().manual_seed(m)
     w = torch.randint(-127, 128, (48, 96), dtype=torch.int8, generator=g)
-    s = torch.rand(48, generator=g) / 50
+    s = (torch.rand(48, generator=g) / 50).half()
     x = torch.randn(m, 96, generator=g)
     torch.testing.assert_close(linear_cpp.int8_linear(x, w, s), ref.int8_linear_ref(x, w, s),
                                rtol=1e-5, atol=1e-4)
@@ -33,31 +53,108 @@ def test_w8a8_integer_sums_exact(backend, m):
     g = torch.Generator().manual_seed(1)
     xq = torch.randint(-127, 128, (m, 64), dtype=torch.int8, generator=g)
     w = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=g)
-    sx, sw = torch.ones(m), torch.ones(32)
+    sx, sw = torch.ones(m), torch.ones(32, dtype=torch.float16)
     y = linear_cpp.w8a8_linear(xq, sx, w, sw)
     assert torch.equal(y, (xq.long() @ w.long().T).float())
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("gs", [32, 64])
-@pytest.mark.parametrize("m", [1, 4])
-def test_lowbit_matches_reference(backend, bits, gs, m):
-    g = torch.Generator().manual_seed(bits * 100 + gs + m)
-    n, k = 40, 128
-    u = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-    scale = torch.rand(n, k // gs, generator=g) / 10
-    zero = torch.randint(0, 2**bits, (n, k // gs), generator=g).float()
-    x = torch.randn(m, k, generator=g)
-    codes = pack_bits(u, bits)
-    y = linear_cpp.lowbit_linear(x, codes, bits, scale, zero, gs)
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("gs,n,k", [(32, 37, 224), (64, 19, 576), (128, 5, 384)])
+def test_lowbit_matches_reference(backend, bits, sym, gs, n, k):
+    u, codes, scale, zero = _lowbit_case(bits, n, k, gs, sym, bits * 1000 + gs + n)
     w = ref.dequant_grouped_weight(u, scale, zero, gs)
-    torch.testing.assert_close(y, (x.double() @ w.T).float(), rtol=1e-4, atol=1e-4)
+    gen = torch.Generator().manual_seed(7)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        y = linear_cpp.lowbit_linear(x, codes, bits, scale, zero, gs)
+        # the twin rounds activations exactly as the kernel does: equal up to float32 sums
+        expect = ref.lowbit_linear_ref(x, codes, bits, scale, zero, gs)
+        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+        # and against float activations the 16-bit rounding stays inside its bound
+        exact = x.double() @ w.T
+        assert ((y.double() - exact).abs() <= _act16_bound(x, w, gs)).all()
 
 
-def test_lowbit_bad_bits():
-    with pytest.raises(ValueError, match="bits=5"):
-        linear_cpp.lowbit_linear(torch.randn(1, 64), torch.zeros(40, dtype=torch.uint8), 5,
-                                 torch.ones(1, 2), torch.ones(1, 2), 32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lowbit_dtypes_and_noncontiguous(backend, dtype):
+    bits, gs, n, k = 3, 64, 24, 256
+    u, codes, scale, zero = _lowbit_case(bits, n, k, gs, False, 5)
+    base = torch.randn(6, 2 * k).to(dtype)
+    x = base[:, ::2]  # strided view: not contiguous
+    assert not x.is_contiguous()
+    y = linear_cpp.lowbit_linear(x, codes, bits, scale, zero, gs)
+    assert y.dtype == torch.float32 and y.shape == (6, n)
+    expect = ref.lowbit_linear_ref(x.float().contiguous(), codes, bits, scale, zero, gs)
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+    # leading batch dims are kept
+    y3 = linear_cpp.lowbit_linear(x.reshape(2, 3, k), codes, bits, scale, zero, gs)
+    torch.testing.assert_close(y3.reshape(6, n), y)
+
+
+def test_lowbit_activation_outlier_stays_in_its_group():
+    """One huge activation coarsens only its own group's 16-bit step."""
+    bits, gs, n, k = 4, 32, 16, 128
+    u, codes, scale, zero = _lowbit_case(bits, n, k, gs, False, 11)
+    x = torch.randn(1, k)
+    x[0, 5] = 1e4
+    q, d = ref.quantize_act16(x, gs)
+    assert d[0, 0] > 100 * d[0, 1:].max()
+    xhat = q.double() * d.double().repeat_interleave(gs, dim=1)
+    err = (xhat - x.double()).abs()
+    assert (err <= d.double().repeat_interleave(gs, dim=1) / 2 + 1e-12).all()
+    assert err[0, gs:].max() < 1e-4  # other groups: N(0, 1) activations at step ~1e-4
+    w = ref.dequant_grouped_weight(u, scale, zero, gs)
+    y = linear_cpp.lowbit_linear(x, codes, bits, scale, zero, gs)
+    assert ((y.double() - x.double() @ w.T).abs() <= _act16_bound(x, w, gs)).all()
+
+
+@pytest.mark.parametrize("flags,code", [(("-DLESSMEM_NO_VNNI", "-DLESSMEM_NO_VBMI"), 1),
+                                        (("-DLESSMEM_NO_SIMD",), 0)])
+def test_lowbit_fallback_builds_agree(monkeypatch, flags, code):
+    """The AVX2-only and plain-C++ builds of the same source give the same results."""
+    if not linear_cpp.available():
+        pytest.skip("no C++ compiler")
+    full = linear_cpp._mod()
+    mod = linear_cpp._mod(flags)
+    if mod is None:
+        pytest.skip(f"build with {flags} failed")
+    if code == 1 and full.simd_build() == 0:
+        pytest.skip("no AVX2 on this machine")
+    assert mod.simd_build() == code
+    monkeypatch.setattr(linear_cpp, "_mod", lambda: mod)
+    for bits in (2, 3, 4):
+        u, codes, scale, zero = _lowbit_case(bits, 13, 192, 64, bits == 3, bits)
+        for m in (1, 3, 6):
+            x = torch.randn(m, 192)
+            y = linear_cpp.lowbit_linear(x, codes, bits, scale, zero, 64)
+            torch.testing.assert_close(y, ref.lowbit_linear_ref(x, codes, bits, scale, zero, 64),
+                                       rtol=1e-5, atol=1e-5)
+    w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    s = (torch.rand(8) / 50).half()
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(linear_cpp.int8_linear(x, w, s), ref.int8_linear_ref(x, w, s),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_lowbit_bad_args():
+    x = torch.randn(1, 64)
+    codes = torch.zeros(64, dtype=torch.uint8)
+    s, z = torch.ones(4, 2, dtype=torch.float16), torch.zeros(4, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bits=5; allowed: 2, 3, 4"):
+        linear_cpp.lowbit_linear(x, codes, 5, s, z, 32)
+    with pytest.raises(ValueError, match="group_size=48.*multiple of 32"):
+        linear_cpp.lowbit_linear(torch.randn(1, 96), codes, 4, s, z, 48)
+    with pytest.raises(ValueError, match="scale dtype torch.float32; allowed: torch.float16"):
+        linear_cpp.lowbit_linear(x, codes, 4, s.float(), z, 32)
+    with pytest.raises(ValueError, match="zero dtype torch.float32; allowed: torch.uint8"):
+        linear_cpp.lowbit_linear(x, codes, 4, s, z.float(), 32)
+    with pytest.raises(ValueError, match=r"scale \(4, 1\).*\[4, 2\]"):
+        linear_cpp.lowbit_linear(x, codes, 4, s[:, :1], z[:, :1], 32)
+    with pytest.raises(ValueError, match="codes torch.uint8 with 10 bytes.*128 bytes"):
+        linear_cpp.lowbit_linear(x, codes[:10], 4, s, z, 32)
+    with pytest.raises(ValueError, match="scale dtype torch.float32"):
+        linear_cpp.int8_linear(x, torch.zeros(4, 64, dtype=torch.int8), torch.ones(4))
 
 
 def test_int4pack_matches_reference():

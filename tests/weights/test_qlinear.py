@@ -100,3 +100,69 @@ def test_memory_held_is_counted_from_tensors():
     held = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
     # 4-bit codes + bf16 (scale, zero) per 128 weights = 4.25 bits: 7.5x smaller than fp32
     assert held == fp32 * 4.25 / 32
+
+
+LAYOUT_CASES = [  # (bits, group_size, symmetric, act_bits, in, out) -> one per layout/kernel
+    (2, 32, False, None, 128, 48), (3, 64, True, None, 192, 40), (4, 32, False, None, 96, 20),
+    (4, 64, False, None, 256, 64), (8, None, True, None, 128, 24), (8, None, True, 8, 128, 24),
+    (3, 48, False, None, 96, 8),  # group size not a multiple of 32: dequantize + BLAS
+]
+
+
+def _held_tensors(m: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the module references: buffers, parameters and plain tensor attributes."""
+    seen = {id(t): t for t in list(m.buffers()) + list(m.parameters())}
+    for v in vars(m).values():
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+        for t in items:
+            if isinstance(t, torch.Tensor):
+                seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("bits,gs,sym,act,k,n", LAYOUT_CASES)
+def test_nbytes_is_every_tensor_held(bits, gs, sym, act, k, n):
+    torch.manual_seed(0)
+    q = QuantLinear.from_linear(torch.nn.Linear(k, n), bits, gs, sym, act_bits=act)
+    q(torch.randn(2, k))  # a forward must not leave derived tensors behind
+    assert q.nbytes == sum(t.numel() * t.element_size() for t in _held_tensors(q))
+    if q.layout == "packed":  # codes at `bits` bits + fp16 scale + uint8 zero point + fp32 bias
+        g = k // gs
+        assert q.nbytes == n * k * bits // 8 + n * g * 3 + n * 4
+
+
+@pytest.mark.parametrize("bits,gs,sym,act,k,n", LAYOUT_CASES)
+def test_load_state_dict_gives_source_output(bits, gs, sym, act, k, n):
+    torch.manual_seed(1)
+    src = QuantLinear.from_linear(torch.nn.Linear(k, n), bits, gs, sym, act_bits=act)
+    dst = QuantLinear.from_linear(torch.nn.Linear(k, n), bits, gs, sym, act_bits=act)
+    x = torch.randn(3, k)
+    before = dst(x)  # run once first: nothing computed here may survive the load
+    dst.load_state_dict(src.state_dict())
+    assert torch.equal(dst(x), src(x)) and not torch.equal(before, src(x))
+    xb = torch.randn(20, k)  # the many-rows path (dequantize + BLAS) reads the loaded state too
+    assert torch.equal(dst(xb), src(xb))
+    assert torch.equal(dst.codes(), src.codes()) and dst.nbytes == src.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_forward_keeps_activation_dtype(dtype):
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(128, 32)
+    q = QuantLinear.from_linear(lin, 3, 32, False)
+    x = torch.randn(2, 5, 128)
+    y = q(x.to(dtype))
+    assert y.dtype == dtype and y.shape == (2, 5, 32)
+    torch.testing.assert_close(y.float(), q(x.to(dtype).float()), rtol=1e-2, atol=1e-2)
+
+
+def test_fused_and_blas_paths_agree():
+    """Up to FUSED_MAX_ROWS rows run the fused kernel, more rows dequantize + BLAS."""
+    from lessmem.weights.qlinear import FUSED_MAX_ROWS
+    torch.manual_seed(4)
+    for bits in (2, 3, 4, 8):
+        q = QuantLinear.from_linear(torch.nn.Linear(96, 40), bits, 32 if bits < 8 else None,
+                                    bits == 8)
+        x = torch.randn(FUSED_MAX_ROWS + 1, 96)
+        torch.testing.assert_close(q(x[:FUSED_MAX_ROWS]), q(x)[:FUSED_MAX_ROWS],
+                                   rtol=1e-4, atol=1e-4)

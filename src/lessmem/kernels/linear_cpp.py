@@ -1,14 +1,36 @@
 """Fused CPU dequant-matmul kernels in C++ (built once by ``_build.load_cpp``).
 
-Three kernels, each parallel over output rows with OpenMP and a vectorizable inner loop;
-the weight row is expanded to float in a thread-local buffer of one row (``K`` floats,
-in L1/L2), never written back as a float matrix:
+Three kernels; weights are expanded in registers, never written back as a float matrix;
+scales are read as stored (fp16), zero points as uint8:
 
 - ``int8_linear``   y[m, n] = s[n] · Σ_k x[m, k] · w[n, k]                  (w int8)
 - ``w8a8_linear``   y[m, n] = sx[m] · s[n] · Σ_k xq[m, k] · w[n, k]         (int32 sums)
-- ``lowbit_linear`` y[m, n] = Σ_g s[n, g] · (Σ_{k∈g} x[m, k] · u[n, k] − z[n, g] · Σ_{k∈g} x[m, k])
+- ``lowbit_linear`` y[m, n] = Σ_g s[n, g] · Σ_{k∈g} x̂[m, k] · (u[n, k] − z[n, g])
                     with u the unsigned 2/3/4-bit codes packed by ``formats.packing.pack_bits``
-                    row-major (row n starts at byte n·K·bits/8), z the zero point in code units.
+                    row-major (row n starts at byte n·K·bits/8), z the zero point in code units
+                    and x̂ the activations in 16-bit fixed point per group (below).
+
+``lowbit_linear`` runs on integer dot products. Activations are rounded per (row, group)
+to 16-bit fixed point, ``x̂ = d·q`` with ``d = max|x_g| / 32258`` and ``q = round(x / d)``
+(so ``|x − x̂| ≤ d/2``: relative error ≤ 1.55e-5 of the group's largest activation;
+``linear_reference.quantize_act16`` is the twin), and split ``q = 254·hi + lo`` into two
+int8 halves. Codes are decoded 32 at a time into bytes (2-bit: one 8-byte broadcast, a
+per-qword shift by 0/2/4/6, a mask; 4-bit: one 16-byte broadcast, shift 0/4; 3-bit: a byte
+shuffle, then AVX-512 VBMI multishift or, without it, shifts and masks), and multiplied
+with the halves by ``dpbusd`` (AVX-512 VNNI) or ``maddubs`` + ``madd`` (AVX2) into int32:
+
+    y[m, n] = Σ_g s[n, g] · d[m, g] · (254·Σ_{k∈g} u·hi + Σ_{k∈g} u·lo − z[n, g] · Σ_{k∈g} q)
+
+The int8 halves are laid out per 32-code block in the order the decode produces, so
+the hot loop has no shuffles; scales are applied once per group in float. Up to 4
+activation rows share one decode (batch 2..16 runs in tiles of 4 rows). Layers with
+fewer than ``PAR_MIN_WORK`` multiply-adds run on one thread (an OpenMP region's wake-up
+costs more than they take). Without AVX2/FMA/F16C (or built with ``-DLESSMEM_NO_SIMD``)
+the same integer math runs in plain C++; ``-DLESSMEM_NO_VNNI`` / ``-DLESSMEM_NO_VBMI``
+select the AVX2 fallbacks (the tests build all three). Group sizes: multiples of 32.
+
+Decoding reads up to 16 bytes from a block's start, past the buffer's end on its last
+row, so that row is decoded from a padded copy.
 
 When no compiler is available each function falls back to the pure-torch twin in
 ``linear_reference`` (same math, slower).
@@ -17,9 +39,9 @@ Example:
     >>> import torch
     >>> from lessmem.kernels.linear_cpp import int8_linear
     >>> w = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
-    >>> s = torch.rand(16) / 100
+    >>> s = (torch.rand(16) / 100).half()
     >>> x = torch.randn(1, 64)
-    >>> ref = x @ (w.float() * s[:, None]).T
+    >>> ref = x @ (w.float() * s.float()[:, None]).T
     >>> bool(torch.allclose(int8_linear(x, w, s), ref, atol=1e-4))
     True
 """
@@ -35,10 +57,31 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <vector>
 #include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <cmath>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(LESSMEM_NO_SIMD)
+#include <immintrin.h>
+#define LM_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(LESSMEM_NO_VNNI)
+#define LM_VNNI 1
+#endif
+#if defined(__AVX512VBMI__) && defined(__AVX512VL__) && !defined(LESSMEM_NO_VBMI)
+#define LM_VBMI 1
+#endif
+#endif
 
 // Small layers run on one thread: a parallel region's wake-up and barrier cost more than
-// the work below ~4M weights (and much more on a machine shared with other jobs).
+// the work below ~4M multiply-adds (and much more on a machine shared with other jobs).
 #define PAR_MIN_WORK 4194304
+
+static inline float h2f(const at::Half h) {
+#ifdef LM_AVX2
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
 
 static inline float dotf(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
@@ -48,13 +91,13 @@ static inline float dotf(const float* a, const float* b, int64_t n) {
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
-  // x [M, K] float32, w [N, K] int8, scale [N] float32 -> y [M, N]
+  // x [M, K] float32, w [N, K] int8, scale [N] float16 -> y [M, N] float32
   x = x.contiguous(); w = w.contiguous(); scale = scale.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   const bool par = N * K * M >= PAR_MIN_WORK;
   if (M == 1) {
@@ -64,7 +107,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
       float acc = 0.f;
       #pragma omp simd reduction(+:acc)
       for (int64_t k = 0; k < K; ++k) acc += xp[k] * (float)wr[k];
-      yp[n] = acc * sp[n];
+      yp[n] = acc * h2f(sp[n]);
     }
     return y;
   }
@@ -76,111 +119,271 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
       const int8_t* wr = wp + n * K;
       #pragma omp simd
       for (int64_t k = 0; k < K; ++k) buf[k] = (float)wr[k];
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dotf(xp + m * K, buf.data(), K) * sp[n];
+      const float s = h2f(sp[n]);
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dotf(xp + m * K, buf.data(), K) * s;
     }
   }
   return y;
 }
 
 torch::Tensor w8a8_linear(torch::Tensor xq, torch::Tensor sx, torch::Tensor w, torch::Tensor scale) {
-  // xq [M, K] int8, sx [M] float32, w [N, K] int8, scale [N] float32 -> y [M, N] float32
+  // xq [M, K] int8, sx [M] float32, w [N, K] int8, scale [N] float16 -> y [M, N] float32
   xq = xq.contiguous(); w = w.contiguous(); sx = sx.contiguous(); scale = scale.contiguous();
   const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, sx.options());
   const int8_t* xp = xq.data_ptr<int8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sxp = sx.data_ptr<float>();
-  const float* sp = scale.data_ptr<float>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   #pragma omp parallel for schedule(static) if(N * K * M >= PAR_MIN_WORK)
   for (int64_t n = 0; n < N; ++n) {
     const int8_t* wr = wp + n * K;
+    const float s = h2f(sp[n]);
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* xr = xp + m * K;
       int32_t acc = 0;
       #pragma omp simd reduction(+:acc)
       for (int64_t k = 0; k < K; ++k) acc += (int32_t)xr[k] * (int32_t)wr[k];
-      yp[m * N + n] = (float)acc * sxp[m] * sp[n];
+      yp[m * N + n] = (float)acc * sxp[m] * s;
     }
   }
   return y;
 }
 
-// Codes of a row are split by phase so the inner loops need no interleaving: for 4 bits,
-// byte j holds codes 2j (low nibble) and 2j+1 (high); with xp[p][j] = x[P*j + p] the dot
-// is sum_j sum_p xp[p][j] * ((b[j] >> BITS*p) & mask), one contiguous, vectorizable loop.
-// 3 bits: 8 codes in 3 bytes (a 24-bit word per j), phases p = 0..7.
+// ---- lowbit ---------------------------------------------------------------------------
+// Activations: per (row m, group g) 16-bit fixed point, q = round(x / d), d = amax_g / 32258,
+// split q = 254·hi + lo with hi, lo in [-127, 127] (int8), so u8 codes × s8 halves run on
+// dpbusd / maddubs: Σ_k u·x̂ = d · (254 · Σ u·hi + Σ u·lo). The int8 halves are stored per
+// 32-code block in the byte order decode32 produces (kperm), so no shuffle in the hot loop.
+// kperm(pos): which code of the block sits at byte pos of the decoded vector.
 template <int BITS>
-static void lowbit_impl(const float* x, const uint8_t* cp, const float* sp, const float* zp,
-                        const float* xsum, float* yp, int64_t M, int64_t N, int64_t K, int64_t gs) {
-  constexpr int P = (BITS == 3) ? 8 : 8 / BITS;        // codes per unit
-  constexpr int UB = (BITS == 3) ? 3 : 1;              // bytes per unit
-  constexpr uint32_t MASK = (1u << BITS) - 1;
-  const int64_t G = K / gs, JG = gs / P, row_bytes = K * BITS / 8;
-  std::vector<float> xg((size_t)M * K);               // x permuted the same way, per group
+static inline int kperm(int pos) {
+#ifdef LM_AVX2
+  if (BITS == 2) return (pos % 8) * 4 + pos / 8;    // qword lane p, byte i <- code 4i + p
+  if (BITS == 4) return (pos % 16) * 2 + pos / 16;  // 128-bit half h, byte i <- code 2i + h
+#endif
+  return pos;                                       // 3-bit, and the scalar build: natural
+}
+
+template <int BITS>
+static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xh, int8_t* xl,
+                     float* dl, int32_t* qs) {
+  const int64_t G = K / gs;
+  int perm[32];
+  for (int p = 0; p < 32; ++p) perm[p] = kperm<BITS>(p);
+  std::vector<int32_t> q(gs);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t jj = 0; jj < JG; ++jj)
-        for (int p = 0; p < P; ++p) xg[m * K + g * gs + p * JG + jj] = x[m * K + g * gs + jj * P + p];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * gs;
+      float amax = 0.f;
+      for (int64_t k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      const float d = amax / 32258.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < gs; ++k) {
+        const float v = std::nearbyint(xg[k] * id);
+        q[k] = (int32_t)std::min(32258.f, std::max(-32258.f, v));
+        sum += q[k];
+      }
+      dl[m * G + g] = d;
+      qs[m * G + g] = sum;
+      for (int64_t b0 = 0; b0 < gs; b0 += 32)
+        for (int p = 0; p < 32; ++p) {
+          const int32_t v = q[b0 + perm[p]];
+          const int32_t hi = (v + 127 + 254 * 128) / 254 - 128;   // floor((v + 127) / 254)
+          xh[m * K + g * gs + b0 + p] = (int8_t)hi;
+          xl[m * K + g * gs + b0 + p] = (int8_t)(v - 254 * hi);
+        }
+    }
+}
+
+#ifdef LM_AVX2
+// 32 codes of one block (4·BITS bytes at p, up to 16 bytes read) as bytes, order kperm.
+template <int BITS>
+static inline __m256i decode32(const uint8_t* p) {
+  if (BITS == 2) {
+    int64_t w;
+    std::memcpy(&w, p, 8);
+    const __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6));
+    return _mm256_and_si256(v, _mm256_set1_epi8(3));
+  }
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  if (BITS == 4)
+    return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
+#ifdef LM_VBMI
+  // qword q <- the 3 bytes of unit q (codes 8q..8q+7); byte i <- bits [3i, 3i+8) of it
+  const __m256i sh = _mm256_setr_epi8(0, 1, 2, -1, -1, -1, -1, -1, 3, 4, 5, -1, -1, -1, -1, -1,
+                                      6, 7, 8, -1, -1, -1, -1, -1, 9, 10, 11, -1, -1, -1, -1, -1);
+  const __m256i ms = _mm256_set1_epi64x(0x15120f0c09060300LL);  // 0, 3, 6, ... 21
+  return _mm256_and_si256(_mm256_multishift_epi64_epi8(ms, _mm256_shuffle_epi8(v, sh)),
+                          _mm256_set1_epi8(7));
+#else
+  // dword 2q <- unit q bits 0..23, dword 2q+1 <- bits 12..23; then 4 codes of 3 bits -> 4 bytes
+  const __m256i sh = _mm256_setr_epi8(0, 1, 2, -1, 1, 2, -1, -1, 3, 4, 5, -1, 4, 5, -1, -1,
+                                      6, 7, 8, -1, 7, 8, -1, -1, 9, 10, 11, -1, 10, 11, -1, -1);
+  const __m256i w = _mm256_srlv_epi32(_mm256_shuffle_epi8(v, sh), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  __m256i r = _mm256_and_si256(w, _mm256_set1_epi32(0x7));
+  r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 5), _mm256_set1_epi32(0x700)));
+  r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 10), _mm256_set1_epi32(0x70000)));
+  return _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 15), _mm256_set1_epi32(0x7000000)));
+#endif
+}
+
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#ifdef LM_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else  // |u·s| ≤ 15·127: the int16 pair sums of maddubs cannot saturate
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+// One weight row (codes b, G scales s, zero points z) against MT (1..4) activation rows:
+// out[r] = Σ_g s_g · d[r,g] · (254·Σ u·hi + Σ u·lo − z_g · Σ q[r, g]).
+template <int BITS, int MT>
+static inline void lowbit_row(const uint8_t* b, const at::Half* s, const uint8_t* z,
+                              const int8_t* xh, const int8_t* xl, const float* dl, const int32_t* qs,
+                              int64_t K, int64_t G, int64_t gs, float* out) {
+  constexpr int BB = 4 * BITS;                     // bytes per 32-code block
+  const int64_t NB = gs / 32;
+  float zacc[MT];
+  for (int r = 0; r < MT; ++r) zacc[r] = 0.f;
+#ifdef LM_AVX2
+  __m256 tot[MT];
+  for (int r = 0; r < MT; ++r) tot[r] = _mm256_setzero_ps();
+  const __m256 c254 = _mm256_set1_ps(254.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* bg = b + g * NB * BB;
+    __m256i ah[MT], al[MT];
+    for (int r = 0; r < MT; ++r) { ah[r] = _mm256_setzero_si256(); al[r] = _mm256_setzero_si256(); }
+    for (int64_t j = 0; j < NB; ++j) {
+      const __m256i u = decode32<BITS>(bg + j * BB);
+      const int64_t k = g * gs + 32 * j;
+      for (int r = 0; r < MT; ++r) {
+        ah[r] = dot_u8s8(ah[r], u, _mm256_loadu_si256((const __m256i*)(xh + r * K + k)));
+        al[r] = dot_u8s8(al[r], u, _mm256_loadu_si256((const __m256i*)(xl + r * K + k)));
+      }
+    }
+    const float sg = h2f(s[g]), zg = (float)z[g];
+    for (int r = 0; r < MT; ++r) {
+      const float f = sg * dl[r * G + g];
+      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ah[r]), c254, _mm256_cvtepi32_ps(al[r]));
+      tot[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(f), tot[r]);
+      zacc[r] += f * zg * (float)qs[r * G + g];
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    out[r] = _mm_cvtss_f32(h) - zacc[r];
+  }
+#else
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  float tot[MT];
+  for (int r = 0; r < MT; ++r) tot[r] = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t ah[MT], al[MT];
+    for (int r = 0; r < MT; ++r) { ah[r] = 0; al[r] = 0; }
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const int64_t bit = k * BITS;                 // code k: bits [bit, bit + BITS) of the stream
+      const uint32_t two = (uint32_t)b[bit >> 3] | ((uint32_t)b[(bit >> 3) + 1] << 8);
+      const int32_t u = (int32_t)((two >> (bit & 7)) & MASK);
+      for (int r = 0; r < MT; ++r) { ah[r] += u * xh[r * K + k]; al[r] += u * xl[r * K + k]; }
+    }
+    const float sg = h2f(s[g]), zg = (float)z[g];
+    for (int r = 0; r < MT; ++r) {
+      const float f = sg * dl[r * G + g];
+      tot[r] += f * (254.f * (float)ah[r] + (float)al[r]);
+      zacc[r] += f * zg * (float)qs[r * G + g];
+    }
+  }
+  for (int r = 0; r < MT; ++r) out[r] = tot[r] - zacc[r];
+#endif
+}
+
+template <int BITS>
+static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, const uint8_t* zp,
+                        float* yp, int64_t M, int64_t N, int64_t K, int64_t gs) {
+  const int64_t G = K / gs, row_bytes = K * BITS / 8;
+  std::vector<int8_t> xh(M * K), xl(M * K);
+  std::vector<float> dl(M * G);
+  std::vector<int32_t> qs(M * G);
+  prep_act<BITS>(x, M, K, gs, xh.data(), xl.data(), dl.data(), qs.data());
   #pragma omp parallel if(N * K * M >= PAR_MIN_WORK)
   {
-    std::vector<float> buf(K);                          // one row's codes as floats, phase-major per group
-    std::vector<uint32_t> wv(JG);
+    std::vector<uint8_t> last;                      // the buffer's last row, padded by 16 bytes
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t* b = cp + n * row_bytes;
-      const float* s = sp + n * G;
-      const float* z = zp + n * G;
-      for (int64_t g = 0; g < G; ++g) {                 // unpack: buf[g*gs + p*JG + jj] = code(P*(g*JG+jj) + p)
-        const uint8_t* bg = b + g * JG * UB;
-        float* dst = buf.data() + g * gs;
-        if (BITS == 3) {
-          for (int64_t jj = 0; jj < JG; ++jj)
-            wv[jj] = (uint32_t)bg[3 * jj] | ((uint32_t)bg[3 * jj + 1] << 8) | ((uint32_t)bg[3 * jj + 2] << 16);
-          for (int p = 0; p < P; ++p) {
-            #pragma omp simd
-            for (int64_t jj = 0; jj < JG; ++jj) dst[p * JG + jj] = (float)((wv[jj] >> (BITS * p)) & MASK);
-          }
-        } else {
-          for (int p = 0; p < P; ++p) {
-            #pragma omp simd
-            for (int64_t jj = 0; jj < JG; ++jj) dst[p * JG + jj] = (float)((bg[jj] >> (BITS * p)) & MASK);
-          }
-        }
+      if (n == N - 1) {
+        last.assign(row_bytes + 16, 0);
+        std::memcpy(last.data(), b, row_bytes);
+        b = last.data();
       }
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = xg.data() + m * K;
-        float acc = 0.f;
-        for (int64_t g = 0; g < G; ++g)
-          acc += s[g] * (dotf(xm + g * gs, buf.data() + g * gs, gs) - z[g] * xsum[m * G + g]);
-        yp[m * N + n] = acc;
+      const at::Half* s = sp + n * G;
+      const uint8_t* z = zp + n * G;
+      float out[4];
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mt = std::min<int64_t>(4, M - m0);
+        const int8_t* h = xh.data() + m0 * K;
+        const int8_t* l = xl.data() + m0 * K;
+        const float* d = dl.data() + m0 * G;
+        const int32_t* q = qs.data() + m0 * G;
+        switch (mt) {
+          case 4: lowbit_row<BITS, 4>(b, s, z, h, l, d, q, K, G, gs, out); break;
+          case 3: lowbit_row<BITS, 3>(b, s, z, h, l, d, q, K, G, gs, out); break;
+          case 2: lowbit_row<BITS, 2>(b, s, z, h, l, d, q, K, G, gs, out); break;
+          default: lowbit_row<BITS, 1>(b, s, z, h, l, d, q, K, G, gs, out); break;
+        }
+        for (int64_t r = 0; r < mt; ++r) yp[(m0 + r) * N + n] = out[r];
       }
     }
   }
-  (void)UB;
 }
 
 torch::Tensor lowbit_linear(torch::Tensor x, torch::Tensor codes, int64_t bits, torch::Tensor scale,
                             torch::Tensor zero, int64_t group_size) {
-  // x [M, K] float32, codes packed uint8 (N*K*bits/8), scale/zero [N, K/group_size] float32
+  // x [M, K] float32, codes uint8 (N*K*bits/8), scale [N, G] float16, zero [N, G] uint8
   x = x.contiguous(); codes = codes.contiguous(); scale = scale.contiguous(); zero = zero.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  auto xsum = x.view({M, K / group_size, group_size}).sum(-1).contiguous();  // [M, G]
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "lowbit_linear: bad K/group");
+  TORCH_CHECK(codes.numel() >= N * K * bits / 8, "lowbit_linear: codes too short");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  if (bits == 2) lowbit_impl<2>(xp, cp, scale.data_ptr<float>(), zero.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr<float>(), M, N, K, group_size);
-  else if (bits == 3) lowbit_impl<3>(xp, cp, scale.data_ptr<float>(), zero.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr<float>(), M, N, K, group_size);
-  else lowbit_impl<4>(xp, cp, scale.data_ptr<float>(), zero.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr<float>(), M, N, K, group_size);
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  const uint8_t* zp = zero.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (bits == 2) lowbit_impl<2>(xp, cp, sp, zp, yp, M, N, K, group_size);
+  else if (bits == 3) lowbit_impl<3>(xp, cp, sp, zp, yp, M, N, K, group_size);
+  else lowbit_impl<4>(xp, cp, sp, zp, yp, M, N, K, group_size);
   return y;
 }
-"""
 
-_FUNCS = ["int8_linear", "w8a8_linear", "lowbit_linear"]
+// Which code paths this build compiled: 0 scalar, 1 AVX2, +2 VNNI dot, +4 VBMI 3-bit decode.
+int64_t simd_build() {
+#ifdef LM_AVX2
+  int64_t f = 1;
+#ifdef LM_VNNI
+  f += 2;
+#endif
+#ifdef LM_VBMI
+  f += 4;
+#endif
+  return f;
+#else
+  return 0;
+#endif
+}
+ """
+
+_FUNCS = ["int8_linear", "w8a8_linear", "lowbit_linear", "simd_build"]
 
 
-def _mod():
-    return load_cpp("lessmem_linear", _SOURCE, _FUNCS)
+def _mod(extra_cflags: tuple[str, ...] = ()):
+    return load_cpp("lessmem_linear", _SOURCE, _FUNCS, list(extra_cflags) or None)
 
 
 def available() -> bool:
@@ -192,37 +395,63 @@ def _2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).float().contiguous()
 
 
+def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name} dtype {t.dtype}; allowed: {dtype}")
+
+
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ (scale[:, None] · w).T`` with w int8 [N, K], scale [N] (fp32 out)."""
+    """``x [..., K] @ (scale[:, None] · w).T`` with w int8 [N, K], scale fp16 [N] (fp32 out)."""
+    _check_dtype("scale", scale, torch.float16)
     m = _mod()
     x2 = _2d(x)
     if m is None:
         y = ref.int8_linear_ref(x2, w, scale)
     else:
-        y = m.int8_linear(x2, w, scale.float())
+        y = m.int8_linear(x2, w, scale.reshape(-1))
     return y.view(*x.shape[:-1], w.shape[0])
 
 
 def w8a8_linear(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``(sx · xq) @ (scale · w).T`` for int8 xq [M, K], sx [M], w [N, K], scale [N]."""
+    """``(sx · xq) @ (scale · w).T`` for int8 xq [M, K], sx [M], w [N, K], fp16 scale [N]."""
+    _check_dtype("scale", scale, torch.float16)
     m = _mod()
     if m is None:
         return ref.w8a8_linear_ref(xq, sx, w, scale)
-    return m.w8a8_linear(xq, sx.float(), w, scale.float())
+    return m.w8a8_linear(xq, sx.float(), w, scale.reshape(-1))
+
+
+def lowbit_supported(in_features: int, group_size: int) -> bool:
+    """Whether ``lowbit_linear`` takes this shape (whole 32-code blocks in every group)."""
+    return group_size % 32 == 0 and in_features % group_size == 0
 
 
 def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
                   zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Group-wise 2/3/4-bit dequant-matmul (see the module doc for the formula)."""
+    """Group-wise 2/3/4-bit dequant-matmul (see the module doc for the formula).
+
+    ``x [..., K]`` any float dtype (rounded per group to 16-bit fixed point as in the module
+    doc), ``codes`` from ``pack_bits``, ``scale [N, G]`` fp16, ``zero [N, G]`` uint8;
+    returns float32 ``[..., N]``.
+    """
     if bits not in (2, 3, 4):
         raise ValueError(f"lowbit_linear bits={bits!r}; allowed: 2, 3, 4")
     n, k = scale.shape[0], x.shape[-1]
-    if k % group_size or k % 8:
-        raise ValueError(f"in_features={k} must be a multiple of group_size={group_size} and of 8")
+    if not lowbit_supported(k, group_size):
+        raise ValueError(f"in_features={k} and group_size={group_size}: allowed are a group_size "
+                         "that is a multiple of 32 and divides in_features")
+    _check_dtype("scale", scale, torch.float16)
+    _check_dtype("zero", zero, torch.uint8)
+    if tuple(scale.shape) != (n, k // group_size) or scale.shape != zero.shape:
+        raise ValueError(f"scale {tuple(scale.shape)} / zero {tuple(zero.shape)}; allowed: both "
+                         f"[N, in_features / group_size] = [{n}, {k // group_size}]")
+    if codes.dtype != torch.uint8 or codes.numel() < n * k * bits // 8:
+        raise ValueError(f"codes {codes.dtype} with {codes.numel()} bytes; allowed: uint8 with "
+                         f"N·K·bits/8 = {n * k * bits // 8} bytes")
     m = _mod()
     x2 = _2d(x)
     if m is None:
         y = ref.lowbit_linear_ref(x2, codes, bits, scale, zero, group_size)
     else:
-        y = m.lowbit_linear(x2, codes, bits, scale.float(), zero.float(), group_size)
+        y = m.lowbit_linear(x2, codes, bits, scale, zero, group_size)
     return y.view(*x.shape[:-1], n)

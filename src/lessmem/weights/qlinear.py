@@ -7,12 +7,15 @@ Layouts held (``N = out_features``, ``K = in_features``, ``G = K / group_size``)
   ``[G, N, 2]`` bf16 scale-and-zero tensor → ``_weight_int4pack_mm_for_cpu`` (bf16 activations)
 - 2/3/4-bit otherwise: ``qweight`` codes packed by ``formats.packing.pack_bits`` row-major,
   fp16 ``scale [N, G]``, uint8 ``zero_point [N, G]`` → the C++ ``lowbit_linear`` kernel for
-  up to 16 rows; larger batches (prefill) dequantize and use BLAS
+  up to 16 rows (it reads these tensors as held; activations are rounded to 16-bit fixed
+  point per group, relative error ≤ 1.6e-5, see ``kernels.linear_cpp``); larger batches
+  (prefill), and group sizes that are not a multiple of 32, dequantize and use BLAS
 - 8-bit: int8 ``qweight [N, K]`` and fp16 ``scale [N, 1]`` → the C++ ``int8_linear`` kernel;
   with ``act_bits=8`` (SmoothQuant W8A8) activations are quantized per token on the fly
   (x_q = round(x / s_x), s_x = max|x_token| / 127) and the int8·int8 kernel sums in int32.
 
-``nbytes`` counts every tensor held (codes, scales, zero points, bias).
+``nbytes`` counts every tensor held (codes, scales, zero points, bias): the kernels read the
+held tensors directly, so there are no derived copies to go stale after ``load_state_dict``.
 
 Example:
     >>> import torch
@@ -26,6 +29,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +60,6 @@ class QuantLinear(nn.Module):
         self.bits, self.group_size, self.symmetric, self.act_bits = bits, group_size, symmetric, act_bits
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.layout = "unset"
-        self._cache: dict[str, torch.Tensor] = {}
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -81,7 +85,6 @@ class QuantLinear(nn.Module):
         for name in ("qweight", "int4pack", "scale", "zero_point", "int4_sz"):
             if hasattr(self, name):
                 delattr(self, name)
-        self._cache = {}
         scale = scale.to(torch.float16).reshape(n, -1).contiguous()
         zero = zero.to(torch.uint8).reshape(n, -1).contiguous()
         if self.bits == 8:
@@ -141,8 +144,8 @@ class QuantLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor the layer holds at run time (codes, scales, zeros, bias)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers()) + (
-            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return sum(t.numel() * t.element_size()
+                   for t in itertools.chain(self.buffers(), self.parameters()))
 
     @property
     def bits_per_weight(self) -> float:
@@ -152,11 +155,6 @@ class QuantLinear(nn.Module):
         return self.bits + meta * g / self.in_features
 
     # ---- compute ------------------------------------------------------------------
-    def _fp32(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        if name not in self._cache:
-            self._cache[name] = t.float().contiguous()
-        return self._cache[name]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         rows = x.numel() // self.in_features
@@ -164,13 +162,15 @@ class QuantLinear(nn.Module):
             y = self._forward_w8a8(x)
         elif self.layout == "int4pack":
             y = i4.int4_linear(x, self.int4pack, self.group_size, self.int4_sz)
-        elif rows > FUSED_MAX_ROWS:
+        elif rows > FUSED_MAX_ROWS or (
+                self.layout == "packed" and not linear_cpp.lowbit_supported(self.in_features,
+                                                                            self.group_size)):
             y = F.linear(x.float(), self.dequantized_weight())
         elif self.layout == "int8":
-            y = linear_cpp.int8_linear(x, self.qweight, self._fp32("s", self.scale).view(-1))
+            y = linear_cpp.int8_linear(x, self.qweight, self.scale.view(-1))
         else:
-            y = linear_cpp.lowbit_linear(x, self.qweight, self.bits, self._fp32("s", self.scale),
-                                         self._fp32("z", self.zero_point), self.group_size)
+            y = linear_cpp.lowbit_linear(x, self.qweight, self.bits, self.scale, self.zero_point,
+                                         self.group_size)
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype)
@@ -179,11 +179,11 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float()
         sx = (x2.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # per-token dynamic scale
         xq = torch.round(x2 / sx[:, None]).clamp(-127, 127).to(torch.int8)
-        sw = self._fp32("s", self.scale).view(-1)
         if x2.shape[0] > FUSED_MAX_ROWS:  # same integer sums through BLAS (exact up to 2^24)
+            sw = self.scale.float().view(-1)
             y = (xq.float() @ self.qweight.float().T) * sx[:, None] * sw[None, :]
         else:
-            y = linear_cpp.w8a8_linear(xq, sx, self.qweight, sw)
+            y = linear_cpp.w8a8_linear(xq, sx, self.qweight, self.scale.view(-1))
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
