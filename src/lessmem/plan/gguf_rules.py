@@ -22,7 +22,7 @@ choices), no ``--pure``/``--output-tensor-type`` overrides:
   falls back: Q2_K/Q3_K/IQ4_XS→IQ4_NL, Q4_K→Q5_0, Q5_K→Q5_1, Q6_K→Q8_0, then F16.
 
 ``use_more_bits(i, n)``: the first and last eighth of the layers, and every third layer
-in between (``(i - n//8) % 3 == 2``): 14 of 30 layers, 36 of 80.
+in between (``(i - n//8) % 3 == 2``): 14 of 30 layers, 40 of 80.
 
 Example:
     >>> from lessmem.plan.gguf_rules import tensor_type

@@ -1,0 +1,71 @@
+"""weights.gguf_mix wraps the one rule in plan.gguf_rules; GGUFConfig's types and bytes
+agree with the planner's footprint, including llama.cpp's 70B attn_v rule."""
+
+from __future__ import annotations
+
+import pytest
+
+import lessmem
+from lessmem.models import tiny_random
+from lessmem.plan import gguf_rules
+from lessmem.plan.models import ModelDims
+from lessmem.plan.weights import get_weight_format, mix_type, tensor_bytes
+from lessmem.weights import gguf_mix
+from lessmem.weights.gguf_apply import apply_gguf
+
+HF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+      "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+      "mlp.down_proj": "ffn_down"}
+
+
+def test_wrapper_is_the_plan_rule():
+    for f in gguf_mix.MIXES:
+        for name in ("blk.3.attn_v.weight", "blk.3.ffn_down.weight", "output.weight", "blk.0.attn_q.weight"):
+            for cols in (256, 768, 4096):
+                assert gguf_mix.tensor_type(f, name, cols, 30) == gguf_rules.tensor_type(f, name, cols, 30)
+    assert gguf_mix.use_more_bits is gguf_rules.use_more_bits
+    assert gguf_mix.FILE_TYPE_IDS["Q4_K_M"] == 15 and gguf_mix.FILE_TYPE_IDS["Q3_K_M"] == 12
+    assert gguf_mix.check_mix("q4_k_m") == "Q4_K_M"
+
+
+def test_wrapper_refuses_types_it_cannot_encode():
+    # llama.cpp would write IQ4_NL for a Q3_K row of 576 and F16 for a row of 48
+    with pytest.raises(ValueError, match="stores it as iq4_nl in Q3_K_M .row length 576.*cannot encode"):
+        gguf_mix.tensor_type("Q3_K_M", "blk.0.attn_q.weight", 576, 30)
+    with pytest.raises(ValueError, match="row length 48 is not a multiple of 32"):
+        gguf_mix.tensor_type("Q4_0", "blk.0.attn_q.weight", 48, 30)
+    with pytest.raises(ValueError, match="GGUF type 'Q7_K' is not supported; allowed: Q4_0"):
+        gguf_mix.check_mix("Q7_K")
+
+
+def _dims(m) -> ModelDims:
+    c = m.config
+    return ModelDims("tiny", c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                     c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                     c.intermediate_size, c.vocab_size,
+                     tied_embeddings=bool(c.tie_word_embeddings))
+
+
+@pytest.mark.parametrize("ftype,layers,heads,kv", [("Q4_K_M", 8, 4, 4), ("Q3_K_M", 8, 4, 2),
+                                                   ("Q4_K_M", 80, 8, 1)])
+def test_gguf_config_matches_planner(ftype, layers, heads, kv):
+    hidden = 256 if layers < 80 else 64  # 80 layers kept small: rows of 64 take the fallbacks
+    m = tiny_random("llama", num_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                    num_heads=heads, num_kv_heads=kv, vocab_size=272)
+    rep = apply_gguf(m, lessmem.GGUFConfig(ftype))
+    dims = _dims(m)
+    fmt = get_weight_format(ftype)
+    want_types, want_bytes = {}, 0
+    for t in dims.tensors():
+        if t.rows == 1 or t.name == "token_embd" and not dims.tied_embeddings:
+            continue  # GGUFConfig quantizes the linears (and a tied embedding through lm_head)
+        typ = mix_type(ftype.lower(), t, dims.layers, dims.tied_embeddings, heads // kv)
+        hf = "lm_head" if t.name in ("output", "token_embd") else \
+            f"model.layers.{t.layer}.{next(k for k, v in HF.items() if v == t.name)}"
+        want_types[hf] = typ
+        want_bytes += tensor_bytes(fmt, t, dims.layers, tied=dims.tied_embeddings, n_gqa=heads // kv)[0]
+    assert rep["types"] == want_types
+    assert rep["bytes"] == want_bytes
+    if layers == 80:  # 70B rule: attn_v Q4_K -> Q5_K, here with its row-64 fallback Q5_1
+        v = [rep["types"][f"model.layers.{i}.self_attn.v_proj"] for i in range(80)]
+        assert v.count("q5_1") == 40 and v.count("q8_0") == 40  # q6_k -> q8_0 on 40 layers
