@@ -1,0 +1,187 @@
+"""Fused GGUF dequant-matmul (C++ and its fallback) against the dequantize-then-matmul twin;
+GGUFLinear and apply_gguf on a tiny Llama."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import lessmem
+from lessmem.formats.gguf import GGUF_TYPES, dequantize_gguf, quantize_gguf
+from lessmem.kernels import gguf_linear_cpp as kern
+from lessmem.kernels.gguf_linear_reference import gguf_linear_ref, gguf_weight_ref
+from lessmem.models import tiny_random
+from lessmem.weights.gguf_apply import apply_gguf
+from lessmem.weights.gguf_linear import GGUFLinear
+
+TYPES = list(GGUF_TYPES)  # all ten: q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k
+
+
+@pytest.fixture(params=["cpp", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(kern, "_mod", lambda: None)
+    elif not kern.available():
+        pytest.skip("no C++ compiler: only the reference twin runs")
+    return request.param
+
+
+def _raw(t, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of unlike scale
+    return torch.from_numpy(quantize_gguf(w, t))
+
+
+def _random_blocks(t, n, k, seed):
+    """Random bytes for every field (all code bits, scale bits, signs), finite fp16 scales."""
+    gt = GGUF_TYPES[t]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // gt.block_size, gt.type_size), dtype=np.uint8)
+    for off in gt.fp16_offsets:
+        v = rng.uniform(-2, 2, size=blocks.shape[0]).astype(np.float16)
+        v[::7] = np.float16(6e-6)  # a subnormal, and exact zeros, decode like the reference
+        v[::11] = 0
+        blocks[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_fused_matches_reference(backend, t, m):
+    n, k = 37, 512  # odd N; two K-quant super-blocks, 16 legacy blocks per row
+    raw = _raw(t, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
+    y = kern.gguf_linear(x, raw, t, n)
+    ref = gguf_linear_ref(x, raw, t, n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_decoders_bit_identical(backend, t):
+    n, k = 6, 512
+    for raw in (_raw(t, n, k, seed=1), _random_blocks(t, n, k, seed=2)):
+        ref = dequantize_gguf(raw, t, (n, k))
+        dq = kern.gguf_dequantize(raw, t, n, k)
+        assert dq.numpy().tobytes() == ref.numpy().tobytes()  # every bit, signs of zero too
+        # the fused path on one-hot inputs returns each weight exactly
+        assert torch.equal(kern.gguf_linear(torch.eye(k), raw, t, n).T, ref)
+
+
+def test_batched_leading_dims_and_dtype():
+    raw = _raw("q4_k", 8, 256, seed=3)
+    x = torch.randn(2, 3, 256)
+    y = kern.gguf_linear(x, raw, "Q4_K", 8)
+    assert y.shape == (2, 3, 8)
+    torch.testing.assert_close(y, gguf_linear_ref(x, raw, "q4_k", 8), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_bad_inputs():
+    raw = _raw("q8_0", 4, 64, seed=0)
+    with pytest.raises(ValueError, match=r"'Q9_K' is not supported; allowed: Q4_0, .*Q6_K"):
+        kern.gguf_linear(torch.randn(1, 64), raw, "Q9_K", 4)
+    with pytest.raises(ValueError, match=r"raw holds 272 bytes but \[4, 96\] in Q8_0 needs 408"):
+        kern.gguf_linear(torch.randn(1, 96), raw, "q8_0", 4)
+    with pytest.raises(ValueError, match="in_features=48 must be a positive multiple of the Q8_0 block size 32"):
+        kern.gguf_dequantize(raw, "q8_0", 4, 48)
+    with pytest.raises(ValueError, match="uint8 torch.Tensor"):
+        kern.gguf_linear(torch.randn(1, 64), raw.to(torch.int16), "q8_0", 4)
+
+
+# ---------------------------------------------------------------- GGUFLinear
+
+
+@pytest.mark.parametrize("t", ["q4_0", "q5_1", "q8_0", "q3_k", "q4_k", "q6_k"])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_gguf_linear_module(t, m):
+    torch.manual_seed(m)
+    lin = torch.nn.Linear(256, 45)  # odd out_features, with bias
+    q = GGUFLinear.from_linear(lin, t.upper())
+    assert q.gguf_type == t and q.qweight.dtype == torch.uint8
+    w_hat = dequantize_gguf(quantize_gguf(lin.weight.detach(), t), t, (45, 256))
+    assert torch.equal(q.dequantized_weight(), w_hat)
+    x = torch.randn(m, 256)
+    ref = x.double() @ w_hat.double().T + lin.bias.double()
+    torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=1e-5)
+    assert q.nbytes == 45 * 256 * GGUF_TYPES[t].bits_per_weight / 8 + 45 * 4
+    assert q(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_gguf_linear_no_bias_and_state_dict():
+    lin = torch.nn.Linear(512, 16, bias=False)
+    q = GGUFLinear.from_linear(lin, "q4_k")
+    assert q.bias is None and set(q.state_dict()) == {"qweight"}
+    assert q.nbytes == 16 * 2 * 144
+    q2 = GGUFLinear(512, 16, "q4_k", bias=False)
+    q2.load_state_dict(q.state_dict())
+    x = torch.randn(1, 512)
+    assert torch.equal(q(x), q2(x))
+
+
+def test_gguf_linear_bad_inputs():
+    with pytest.raises(ValueError, match="'Q3_K_XL' is not supported; allowed: Q4_0, Q4_1, Q5_0"):
+        GGUFLinear(256, 8, "Q3_K_XL")
+    with pytest.raises(ValueError, match="in_features=288 must be a positive multiple of the Q4_K block size 256"):
+        GGUFLinear(288, 8, "q4_k")
+    with pytest.raises(ValueError, match="raw has shape"):
+        GGUFLinear.from_raw(torch.zeros(4, 10, dtype=torch.uint8), "q8_0", 64)
+    with pytest.raises(ValueError, match="2-D uint8"):
+        GGUFLinear.from_raw(torch.zeros(4, 68), "q8_0", 64)
+    with pytest.raises(ValueError, match="input has 32 features; this layer takes 64"):
+        GGUFLinear(64, 4, "q8_0")(torch.randn(1, 32))
+
+
+# ---------------------------------------------------------------- apply_gguf
+
+
+def _old_float_path(model, types):
+    """What apply_gguf did before GGUFLinear: decode each weight back into the nn.Linear."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name in types:
+                t = types[name]
+                mod.weight.copy_(dequantize_gguf(quantize_gguf(mod.weight, t), t, tuple(mod.weight.shape)))
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q4_0", "Q8_0", "Q6_K"])
+def test_apply_gguf_matches_float_path_and_shrinks(mix):
+    m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4)
+    old = copy.deepcopy(m)
+    fp32_bytes = sum(mod.weight.numel() * 4 for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    rep = apply_gguf(m, lessmem.GGUFConfig(mix))
+    _old_float_path(old, rep["types"])
+    assert set(rep) >= {"method", "config", "types", "bytes", "bits_per_weight", "n_quantized"}
+    assert rep["kept_float"] == {} and rep["n_quantized"] == 15
+    held = [mod for mod in m.modules() if isinstance(mod, GGUFLinear)]
+    assert len(held) == 15 and not any(type(mod) is torch.nn.Linear for mod in m.modules())
+    assert rep["bytes_held"] == sum(q.nbytes for q in held) == rep["bytes"]  # no biases in Llama
+    assert rep["bytes_held"] < fp32_bytes / 3.5
+    x = torch.randint(0, 272, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, old(x).logits)  # 48 rows: decode once + BLAS, same floats
+        y, ref = m(x[:1, :5]).logits, old(x[:1, :5]).logits  # 5 rows: the fused kernel
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_apply_gguf_tied_lm_head_stays_float():
+    cfg = LlamaConfig(vocab_size=272, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).eval()
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    old = copy.deepcopy(m)
+    rep = apply_gguf(m, lessmem.GGUFConfig("Q4_K_M"))
+    assert list(rep["kept_float"]) == ["lm_head"] and rep["types"]["lm_head"] == "q6_k"
+    assert type(m.lm_head) is torch.nn.Linear and m.lm_head.weight is m.model.embed_tokens.weight
+    assert rep["bytes"] > rep["bytes_held"]  # the tied Q6_K tensor is counted, not held as blocks
+    _old_float_path(old, rep["types"])
+    x = torch.randint(0, 272, (1, 30))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, old(x).logits)
+
+
+def test_gguf_weight_ref_shape():
+    raw = _raw("q6_k", 3, 512, seed=5)
+    assert gguf_weight_ref(raw, "q6_k", 3).shape == (3, 512)
