@@ -320,6 +320,20 @@ def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> 
             "rows": rows}
 
 
+def markdown_table(res: dict) -> str:
+    """One model's rows as the README's markdown table."""
+    lines = [f"{res['model']}: {res['protocol']['windows']} windows x {res['protocol']['window_len']} "
+             f"tokens, {res['protocol']['scored_per_window']} scored per window. {res['weights_note']}",
+             "", "| row | bpw (block linears) | bpw (all linears) | size on disk | ppl | Δppl % | KLD | "
+             "decode vs fp32 | linear layers |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['row']} | {r['bpw_block_linears']:.2f} | {r['bpw_all_linears']:.2f} | "
+                     f"{r['disk_bytes'] / 1e6:.1f} MB | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} | "
+                     f"{r['kld']:.4f} | {r['decode_ratio']:.2f}x | "
+                     + ", ".join(f"{k} {v}" for k, v in r["layer_classes"].items()) + " |")
+    return "\n".join(lines)
+
+
 def merge_rows(path: Path, new: list[dict], h: dict) -> dict:
     """The file ``path`` with ``new``'s rows merged in by label (a rerun of some rows)."""
     if not path.is_file():
@@ -351,9 +365,15 @@ def main() -> int:
     p.add_argument("--calib-len", type=int, default=512, help="calibration window length")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--only", default=None, help="comma list of row-label substrings")
+    p.add_argument("--table", type=Path, default=None,
+                   help="print the markdown table of an existing result JSON and exit")
     p.add_argument("--update", action="store_true",
                    help="merge the rows run into the existing result file (same label: replaced)")
     args = p.parse_args()
+    if args.table is not None:
+        for res in json.loads(args.table.read_text())["results"]:
+            print(markdown_table(res) + "\n")
+        return 0
     test = repo_data_file("wikitext-2-raw", "wiki.test.raw")
     train = repo_data_file("wikitext-2-raw", "wiki.train.head.raw")
     if args.quick or test is None or train is None:
@@ -382,7 +402,9 @@ def main() -> int:
     data = {"header": h, "results": results}
     if args.update and not args.quick:
         data = merge_rows(args.out or RESULTS / f"{stem}.json", results, h)
-    write_result(stem, data, args.out, args.quick)
+    path = write_result(stem, data, args.out, args.quick)
+    for res in json.loads(path.read_text())["results"]:
+        print(markdown_table(res) + "\n")
     return 0
 
 
