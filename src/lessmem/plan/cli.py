@@ -3,6 +3,7 @@
 Example:
     $ lessmem plan --model llama-3-8b --context 16384 --batch 16 --kv fp16,fp8,int4 --kv-budget 4GiB
     $ lessmem plan --model path/to/config.json --hardware rtx-4090 --weights q4_k_m --json
+    $ lessmem plan --model smollm2-135m --context 8k --kv kivi-2 --kv-budget 16MiB --offload host@8MiB,disk:/tmp/kv
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-budget", default=None,
                    help="device memory for the KV cache, e.g. 4GiB (sizes: KB/MB/GB 1000-based, KiB/MiB/GiB "
                         "and a bare K/M/G 1024-based, so 4G = 4GiB)")
+    p.add_argument("--offload", default=None, metavar="TIERS",
+                   help="tiers below the device as generate/eval take them, e.g. host@1GiB,disk:/tmp/kv: "
+                        "print the KV bytes each tier holds for the request (lessmem presets in --kv; "
+                        "default lessmem:int4) and the --kv-budget/--offload arguments to pass on")
+    p.add_argument("--block-tokens", default="256", help="with --offload: tokens per offloaded block (default 256)")
+    p.add_argument("--no-prefetch", action="store_true", help="with --offload: no prefetch reserve")
+    p.add_argument("--prefill-chunk", default=None,
+                   help="with --offload: prompt tokens per forward (default: --block-tokens; "
+                        "lessmem generate feeds the whole prompt at once)")
+    p.add_argument("--decode-tokens", default="0",
+                   help="with --offload: how many of --context tokens are decoded one at a time (default 0)")
     p.add_argument("--target-tps", default="25", help="target tokens/s, all requests together (default 25)")
     p.add_argument("--buffer", default=None, help="bytes for the transfer table (default: the KV budget)")
     p.add_argument("--json", action="store_true", help="print JSON in base units")
@@ -90,7 +102,9 @@ def run(args) -> int:
         params=args.params, keep_embeddings=args.keep_embeddings,
         hbm_bw=args.hbm_bw, hbm_capacity=args.hbm_capacity, pcie_gen=_int_opt("pcie_gen", args.pcie_gen),
         pcie_width=_int_opt("pcie_width", args.pcie_width), pcie_bw=args.pcie_bw, host_ram=args.host_ram,
-        nvme_bw=args.nvme_bw,
+        nvme_bw=args.nvme_bw, offload=args.offload, block_tokens=_int_opt("block_tokens", args.block_tokens),
+        prefetch=not args.no_prefetch, prefill_chunk=_int_opt("prefill_chunk", args.prefill_chunk),
+        decode_tokens=_int_opt("decode_tokens", args.decode_tokens),
     )
     if args.json:
         print(json.dumps(p, indent=2, default=float))

@@ -60,7 +60,8 @@ def parse_params(v) -> float:
 
 def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
          hardware=DEFAULT_HARDWARE, kv_budget=None, target_tps=25.0, buffer=None,
-         params=None, keep_embeddings=False, **hw_overrides) -> dict:
+         params=None, keep_embeddings=False, offload=None, block_tokens=256, prefetch=True,
+         prefill_chunk=None, decode_tokens=0, **hw_overrides) -> dict:
     """Memory, bandwidth and tier split for ``batch`` requests of ``context`` tokens.
 
     model: preset name or config.json path; kv: precisions (names or KVPrecision);
@@ -71,6 +72,11 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
     tokens/s for all requests together; buffer: bytes for the transfer table (default:
     the budget, else the first precision's whole cache); params: override the parameter
     count (e.g. the lecture's round 8e9).
+
+    offload: the tiers below the device as ``lessmem generate --offload`` takes them
+    (``"host@1GiB,disk:/path"``): adds ``tier_split``, one :func:`lessmem.plan.tiers.tier_split`
+    per lessmem cache preset in ``kv`` (default ``lessmem:int4`` when ``kv`` is not given),
+    with ``block_tokens``, ``prefetch``, ``prefill_chunk`` and ``decode_tokens`` as there.
     """
     m = get_model(model)
     if params is not None:
@@ -91,7 +97,7 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
                 raise ValueError(f"{k}={v!r} must be positive")
         ov[k] = v
     hw = get_hardware(hardware, **ov)
-    precs = [get_kv(s) for s in _listify(kv, DEFAULT_KV)]
+    precs = [get_kv(s) for s in _listify(kv, DEFAULT_KV if offload is None else ["lessmem:int4"])]
     if not precs:
         raise ValueError("kv: give at least one KV precision")
     from .weights import get_weight_format, weight_footprint
@@ -123,6 +129,18 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
              "capacity": hw.hbm_capacity, "fits": w0 + r["total"] <= hw.hbm_capacity} for r in kv_rows]
 
     budget = None if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
+    splits = None
+    if offload is not None:
+        from .kv import LESSMEM
+        from .tiers import tier_split
+
+        presets = [p for p in precs if p.name in LESSMEM and p.k_bits < 16]
+        if not presets:
+            raise ValueError(f"offload needs a quantized lessmem cache preset in kv, got "
+                             f"{', '.join(p.name for p in precs)}; allowed: "
+                             f"{', '.join(n for n, p in LESSMEM.items() if p.k_bits < 16)}")
+        splits = [tier_split(m, p, context, batch, budget, offload, block_tokens, prefetch,
+                             prefill_chunk, decode_tokens) for p in presets]
     step_budget = 1.0 / target_tps
     buf = parse_bytes(buffer, "buffer") if buffer is not None else (budget or kv_rows[0]["total"])
     out = {
@@ -135,6 +153,8 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
                      "tiers": transfer_times(buf, hw, step_budget)},
         "decode": decode, "fits": fits,
     }
+    if splits is not None:
+        out["tier_split"] = splits
     if budget is not None:
         one = min(kv_bytes(m, 1, 1, p)["total"] for p in precs)
         if budget < one:

@@ -99,7 +99,34 @@ def tables(p: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
             "token's KV crosses per new token. Full: every offloaded token read every step."
             + ("".join("\n  - " + s for s in h["suggestions"])),
         ))
+    for sp in p.get("tier_split") or []:
+        out.append(_split_table(sp))
     return out
+
+
+def _split_table(sp: dict) -> tuple:
+    """The tier split of one preset: blocks and bytes per tier, and the arguments to pass on."""
+    rows = [["resident (sinks, window, partial blocks)", "-", "-", fmt_bytes(sp["resident_bytes"])]]
+    for t in sp["tiers"]:
+        name = t["tier"] + (f" {t['target']}" if t["target"] else "")
+        cap = "unbounded" if t["capacity"] is None else fmt_bytes(t["capacity"])
+        if t["tier"] == "device":
+            cap = "--kv-budget " + ("none" if sp["kv_budget"] is None else fmt_bytes(sp["kv_budget"]))
+        rows.append([name, cap, f"{t['blocks']:,}", fmt_bytes(t["bytes"])])
+    if sp["lost_blocks"]:
+        rows.append(["lost (the last tier is full)", "-", f"{sp['lost_blocks']:,}",
+                     fmt_bytes(sp["lost_blocks"] * sp["block_bytes"])])
+    warn = "" if sp["within_budget"] else (
+        f"\n  the device needs {fmt_bytes(sp['needed_budget'])} at its peak (resident + the forward's new "
+        "tokens + gathered histories): over --kv-budget")
+    feed = (f"prompt in chunks of {sp['prefill_chunk']:,}"
+            + (f", then {sp['decode_tokens']:,} tokens one at a time" if sp["decode_tokens"] else ""))
+    return (
+        f"Tier split — {sp['precision']}, {sp['batch']} x {sp['context']:,} tokens, blocks of "
+        f"{sp['block_tokens']} tokens per layer ({fmt_bytes(sp['block_bytes'], both=False)} each), {feed}",
+        ["tier", "capacity", "blocks", "bytes"], rows,
+        f"pass to lessmem generate / eval: {sp['args']}" + warn,
+    )
 
 
 def render(p: dict, console=None) -> str:
