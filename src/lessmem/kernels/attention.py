@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -84,6 +85,69 @@ class QuantKV:
     def n_tokens(self) -> int:
         return self.keys.n_tokens
 
+    @property
+    def n_kv_heads(self) -> int:
+        return self.keys.codes.shape[1]
+
+    @property
+    def segments(self) -> tuple[QuantKV, ...]:
+        return (self,)
+
+    seg = 0  # tokens per segment (0: one segment)
+
+
+def _cat_sides(sides: list[QuantSide]) -> QuantSide:
+    s = sides[0]
+    zp = torch.cat([x.zero_point for x in sides], 2) if s.zero_point is not None else None
+    return QuantSide(torch.cat([x.codes for x in sides], 2), torch.cat([x.scale for x in sides], 2),
+                     zp, s.lut, s.bits, s.tg, s.dg, s.zero_const)
+
+
+@dataclass(frozen=True)
+class SegmentedKV:
+    """A history that arrives in pieces (blocks fetched from different tiers) and is read
+    in place, never concatenated: ``parts[i]`` holds tokens ``[i·seg, i·seg + n_i)``;
+    every part but the last has ``seg`` tokens, a multiple of both sides' token groups.
+    The C++ kernel walks the parts directly; ``keys``/``values`` join them (a copy) for
+    the reference and torch paths."""
+
+    parts: tuple[QuantKV, ...]
+    seg: int
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError("SegmentedKV needs at least one part")
+        tg = max(self.parts[0].keys.tg, self.parts[0].values.tg)
+        if self.seg <= 0 or self.seg % tg or any(p.n_tokens != self.seg for p in self.parts[:-1]):
+            raise ValueError(f"SegmentedKV parts of {[p.n_tokens for p in self.parts]} tokens, seg="
+                             f"{self.seg}; allowed: every part but the last of seg tokens, a multiple of {tg}")
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(p.n_tokens for p in self.parts)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.parts[0].n_kv_heads
+
+    @property
+    def segments(self) -> tuple[QuantKV, ...]:
+        return self.parts
+
+    @functools.cached_property
+    def joined(self) -> QuantKV:
+        if len(self.parts) == 1:
+            return self.parts[0]
+        return QuantKV(_cat_sides([p.keys for p in self.parts]), _cat_sides([p.values for p in self.parts]))
+
+    @property
+    def keys(self) -> QuantSide:
+        return self.joined.keys
+
+    @property
+    def values(self) -> QuantSide:
+        return self.joined.values
+
 
 def _module():
     return load_cpp("lessmem_qattn", SOURCE, functions=["qattn_forward"], extra_cflags=["-fno-math-errno"])
@@ -100,16 +164,25 @@ def _n_split(B: int, H: int, T: int) -> int:
     return max(1, min(want, T // 128 or 1))
 
 
-def _side_args(s: QuantSide):
-    empty_u8 = torch.empty(0, dtype=torch.uint8)
+def _side_args(sides: list[QuantSide]):
+    """The kernel's arguments for one side given as segments (lists of per-part tensors)."""
+    s = sides[0]
     empty_f = torch.empty(0, dtype=torch.float32)
-    return (s.codes.contiguous(), s.scale.to(torch.float16).contiguous(),
-            s.zero_point.contiguous() if s.zero_point is not None else empty_u8,
+    return ([x.codes.contiguous() for x in sides], [x.scale.to(torch.float16).contiguous() for x in sides],
+            [x.zero_point.contiguous() for x in sides] if s.zero_point is not None else [],
             s.lut.float().contiguous() if s.lut is not None else empty_f,
             int(s.bits), int(s.tg), int(s.dg), float(s.zero_const))
 
 
+def _kernel_history(kv):
+    """(key args, value args, seg) of a QuantKV or SegmentedKV for ``qattn_forward``."""
+    parts = kv.segments
+    return (*_side_args([p.keys for p in parts]), *_side_args([p.values for p in parts]), int(kv.seg))
+
+
 def _torch_path(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None):
+    if isinstance(kv, SegmentedKV):
+        kv = kv.joined
     B, Hq, Tq, D = q.shape
     T = kv.n_tokens
     rep = Hq // kv.keys.codes.shape[1]
@@ -143,7 +216,7 @@ def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None 
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Hq, Tq, D], got shape {tuple(q.shape)}")
     B, Hq, Tq, D = q.shape
-    Hkv = kv.keys.codes.shape[1]
+    Hkv = kv.n_kv_heads
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} must be a multiple of the KV heads {Hkv}")
     T = kv.n_tokens
@@ -160,8 +233,8 @@ def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None 
         return _torch_path(q, kv, mask)
     m = mask if mask is not None else torch.empty(0, dtype=torch.float32)
     e = torch.empty(0, dtype=torch.float32)
-    out, _, lse = mod.qattn_forward(q.float().contiguous(), *_side_args(kv.keys),
-                                    *_side_args(kv.values), m, _n_split(B, Hkv, T), e, e, e, e, False)
+    out, _, lse = mod.qattn_forward(q.float().contiguous(), *_kernel_history(kv), m, _n_split(B, Hkv, T),
+                                    e, e, e, e, False)
     return out, lse
 
 
@@ -180,10 +253,9 @@ def fused_attention(q_h: torch.Tensor, kv: QuantKV, mask_h: torch.Tensor | None,
     if mod is None:
         return None
     B, Hq, Tq, D = q_h.shape
-    Hkv, T = kv.keys.codes.shape[1], kv.n_tokens
+    Hkv, T = kv.n_kv_heads, kv.n_tokens
     e = torch.empty(0, dtype=torch.float32)
     mh = mask_h.float().contiguous() if mask_h is not None else e
     mf = mask_f.float().contiguous() if mask_f is not None else e
-    return mod.qattn_forward(q_h.float().contiguous(), *_side_args(kv.keys), *_side_args(kv.values),
-                             mh, _n_split(B, Hkv, T), q_f.float().contiguous(), k_f.float().contiguous(),
+    return mod.qattn_forward(q_h.float().contiguous(), *_kernel_history(kv), mh, _n_split(B, Hkv, T), q_f.float().contiguous(), k_f.float().contiguous(),
                              v_f.float().contiguous(), mf, bool(causal))

@@ -39,11 +39,19 @@ inline float exp_neg(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
+// The history may arrive as segments (blocks fetched from different places, never
+// concatenated): segment i holds tokens [i·seg, i·seg + T_i), each with its own codes,
+// scales and zero points laid out as one contiguous [B, H, T_i, ·] stream; every segment
+// but the last has seg tokens (a multiple of tg).
 struct QSide {
-  const uint8_t* codes; const at::Half* scale; const uint8_t* zp; const float* lut;
+  std::vector<const uint8_t*> codes; std::vector<const at::Half*> scale;
+  std::vector<const uint8_t*> zp; std::vector<int64_t> T, R;  // per segment: tokens, scale rows
+  const float* lut;
   int bits, tg, dg, rb;  // rb: bytes per row
-  float zc;              // constant zero (symmetric int) when zp == nullptr
+  float zc;              // constant zero (symmetric int) when zp is absent
   int64_t srow;          // scale entries per scale row = D / dg
+  int64_t seg;           // tokens per segment (all but the last)
+  bool has_zp;
 };
 
 inline void unpack_row(const uint8_t* p, int bits, int D, float* out) {
@@ -81,28 +89,30 @@ inline void unpack_row(const uint8_t* p, int bits, int D, float* out) {
 // zero points are expanded to D floats once per tg tokens. Per-token groups (tg == 1):
 // each token's D/dg scales are applied group by group (x = s·c − s·z, one FMA).
 struct RowDecoder {
-  const QSide& q; int D; int64_t bh; int64_t T_scale_rows;
+  const QSide& q; int D; int64_t bh;
   std::vector<float> s, z, c; int64_t cur = -1;
-  RowDecoder(const QSide& q_, int D_, int64_t bh_, int64_t rows)
-      : q(q_), D(D_), bh(bh_), T_scale_rows(rows), s(D_), z(D_), c(D_) {}
+  RowDecoder(const QSide& q_, int D_, int64_t bh_) : q(q_), D(D_), bh(bh_), s(D_), z(D_), c(D_) {}
   template <int DC>
-  inline void decode(int64_t t, int64_t T, float* __restrict__ out) {
+  inline void decode(int64_t t, float* __restrict__ out) {
     const int D = DC > 0 ? DC : this->D;
     float* __restrict__ cp = c.data();
-    unpack_row(q.codes + (bh * T + t) * q.rb, q.bits, D, cp);
+    int64_t i = q.seg > 0 ? t / q.seg : 0;  // the segment holding token t
+    if (i >= (int64_t)q.T.size()) i = (int64_t)q.T.size() - 1;
+    const int64_t lt = t - i * q.seg, Ti = q.T[i], rows = q.R[i];
+    unpack_row(q.codes[i] + (bh * Ti + lt) * q.rb, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
-    const int64_t g = t / q.tg;
+    const int64_t g = lt / q.tg, gg = t / q.tg;  // group within the segment / overall
     const int ng = D / q.dg;
-    const at::Half* sp = q.scale + (bh * T_scale_rows + g) * q.srow;
-    const uint8_t* zpp = q.zp ? q.zp + (bh * T_scale_rows + g) * q.srow : nullptr;
+    const at::Half* sp = q.scale[i] + (bh * rows + g) * q.srow;
+    const uint8_t* zpp = q.has_zp ? q.zp[i] + (bh * rows + g) * q.srow : nullptr;
     if (q.tg > 1) {
-      if (g != cur) {
+      if (gg != cur) {
         float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
         for (int k = 0; k < ng; ++k) {
           const float a = (float)sp[k], b = zpp ? (float)zpp[k] : q.zc;
           for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
         }
-        cur = g;
+        cur = gg;
       }
       const float* __restrict__ sv = s.data(); const float* __restrict__ zv = z.data();
 #pragma omp simd
@@ -119,15 +129,23 @@ struct RowDecoder {
   }
 };
 
-QSide make_side(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& zp,
-                const torch::Tensor& lut, int64_t bits, int64_t tg, int64_t dg, double zc, int D) {
+// codes[i] [B, H, T_i, rb] uint8, scale[i] fp16 and zp[i] uint8 (empty list: none)
+// [B, H, ceil(T_i / tg), D / dg]; all contiguous (checked by the Python caller).
+QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scale,
+                const std::vector<torch::Tensor>& zp, const torch::Tensor& lut, int64_t bits,
+                int64_t tg, int64_t dg, double zc, int D, int64_t seg) {
   QSide s;
-  s.codes = codes.data_ptr<uint8_t>();
-  s.scale = scale.data_ptr<at::Half>();
-  s.zp = zp.numel() ? zp.data_ptr<uint8_t>() : nullptr;
+  s.has_zp = !zp.empty();
+  for (size_t i = 0; i < codes.size(); ++i) {
+    s.codes.push_back(codes[i].data_ptr<uint8_t>());
+    s.scale.push_back(scale[i].data_ptr<at::Half>());
+    s.zp.push_back(s.has_zp ? zp[i].data_ptr<uint8_t>() : nullptr);
+    s.T.push_back(codes[i].size(2));
+    s.R.push_back(scale[i].size(2));
+  }
   s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
   s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
-  s.rb = (int)codes.size(3); s.srow = D / dg;
+  s.rb = (int)codes[0].size(3); s.srow = D / dg; s.seg = seg;
   return s;
 }
 }  // namespace
@@ -142,7 +160,7 @@ struct FpPart {
 
 template <int DC>
 void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t Hq, int64_t Tq,
-               int64_t Hkv, int64_t T, int64_t nsplit, int64_t krows, int64_t vrows,
+               int64_t Hkv, int64_t T, int64_t nsplit,
                const float* qp, const float* mp, const FpPart& F,
                float* pmp, float* plp, float* pap) {
   const int64_t D = DC > 0 ? DC : Drt;
@@ -158,7 +176,7 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
     const int64_t t0 = fp ? 0 : sp * per;
     const int64_t t1 = fp ? F.L : std::min(T, t0 + per);
     if (t0 >= t1) continue;
-    RowDecoder kd(K, (int)D, bh, krows), vd(V, (int)D, bh, vrows);
+    RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
     std::vector<float> kf(D), vf(D), sc(rows * TILE);
     const float* qbase = fp ? F.q : qp;
     float* m = pmp + it * rows; float* l = plp + it * rows; float* acc = pap + it * rows * D;
@@ -168,7 +186,7 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
         const int64_t t = ts + i;
         const float* __restrict__ kp;
         if (fp) kp = F.k + (bh * F.L + t) * D;
-        else { kd.template decode<DC>(t, T, kf.data()); kp = kf.data(); }
+        else { kd.template decode<DC>(t, kf.data()); kp = kf.data(); }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
           const float* __restrict__ qr = qbase + ((b * Hq + hq) * Tq + tq) * D;
@@ -202,7 +220,7 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
         const int64_t t = ts + i;
         const float* __restrict__ vp;
         if (fp) vp = F.v + (bh * F.L + t) * D;
-        else { vd.template decode<DC>(t, T, vf.data()); vp = vf.data(); }
+        else { vd.template decode<DC>(t, vf.data()); vp = vf.data(); }
         for (int64_t r = 0; r < rows; ++r) {
           const float p = sc[r * TILE + i];
           if (p == 0.f) continue;
@@ -217,19 +235,21 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
 
 // Returns {out_h, out_f, lse}: the quantized-history and full-precision contributions,
 // both already divided by the joint softmax denominator, so out = out_f + R_vᵀ·out_h.
+// The history of each side is a list of segments (see QSide); seg = tokens per segment.
 std::vector<torch::Tensor> qattn_forward(
-    torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor kz, torch::Tensor klut,
-    int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
-    torch::Tensor vc, torch::Tensor vs, torch::Tensor vz, torch::Tensor vlut,
-    int64_t vbits, int64_t vtg, int64_t vdg, double vzc,
+    torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> ks,
+    std::vector<torch::Tensor> kz, torch::Tensor klut, int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
+    std::vector<torch::Tensor> vc, std::vector<torch::Tensor> vs, std::vector<torch::Tensor> vz,
+    torch::Tensor vlut, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, int64_t seg,
     torch::Tensor mask, int64_t nsplit,
     torch::Tensor qf, torch::Tensor kfp, torch::Tensor vfp, torch::Tensor maskf, bool causal) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
-  const int64_t Hkv = kc.size(1), T = kc.size(2);
+  const int64_t Hkv = kc[0].size(1);
+  int64_t T = 0;
+  for (const auto& c : kc) T += c.size(2);
   const int64_t rows = (Hq / Hkv) * Tq;
-  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D);
-  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D);
-  const int64_t krows = ks.size(2), vrows = vs.size(2);
+  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D, seg);
+  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D, seg);
   const float* qp = q.data_ptr<float>();
   const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
   FpPart F;
@@ -243,9 +263,9 @@ std::vector<torch::Tensor> qattn_forward(
   auto pl = torch::zeros({B, Hkv, nitem, rows}, torch::kFloat32);
   auto pa = torch::zeros({B, Hkv, nitem, rows, D}, torch::kFloat32);
   float* pmp = pm.data_ptr<float>(); float* plp = pl.data_ptr<float>(); float* pap = pa.data_ptr<float>();
-  if (D == 64) run_items<64>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, krows, vrows, qp, mp, F, pmp, plp, pap);
-  else if (D == 128) run_items<128>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, krows, vrows, qp, mp, F, pmp, plp, pap);
-  else run_items<0>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, krows, vrows, qp, mp, F, pmp, plp, pap);
+  if (D == 64) run_items<64>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
+  else if (D == 128) run_items<128>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
+  else run_items<0>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
   // merge: M = max_s m_s, L = Σ_s l_s e^{m_s − M}, out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
   auto out_h = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
   auto out_f = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);

@@ -13,14 +13,18 @@ blocks covering the last W tokens plus the window; older blocks stay in the tier
 prefix reuse across requests and restarts, and decoding never reads them.
 
 Attention reads the history through ``read_history()`` (the layer's one read point):
-the blocks of the layer are gathered from wherever they live and concatenated in order,
-so the kernel sees exactly the tensors an in-memory cache would hold (bit-exact logits).
+the blocks of the layer are collected in order from wherever they live — device-tier
+blocks by reference, lower-tier blocks as the copies just read — and handed to the fused
+kernel as a :class:`~lessmem.kernels.attention.SegmentedKV`, which walks them in place
+(no concatenation); it computes exactly what it computes over one contiguous history,
+so the logits equal an in-memory cache's bit for bit.
 With ``prefetch=True``, while layer i computes, a background thread already gathers
 layer i+1 (after the last layer: layer 0 for the next step); ``offload_stats()`` says
 how often the consumer had to wait (prefetch lateness).
 
-Device bytes = device tier + sinks + windows + partial blocks + gathered histories in
-flight (current layer, and the prefetched one). Before every read the device tier is
+Device bytes = device tier + sinks + windows + partial blocks + staged blocks: those
+the current layer read from lower tiers, and (bounded by its history bytes) the layer
+being prefetched. Before every read the device tier is
 shrunk so that this stays within ``device_budget``; ``device_peak`` records the maximum.
 
 Prefix reuse: with ``set_tokens(ids)`` (``prefill`` calls it) blocks are keyed by the
@@ -52,7 +56,7 @@ import uuid
 
 import torch
 
-from ..kernels.attention import QuantKV
+from ..kernels.attention import QuantKV, SegmentedKV
 from ..offload import (
     DeviceTier,
     PrefetchHandle,
@@ -140,13 +144,21 @@ class TieredKVLayer(QuantizedKVLayer):
             self._tok_bytes = 2 * self.batch_size * self.num_heads * self.head_dim * elem
         return self._tok_bytes
 
-    def read_history(self) -> QuantKV | None:
-        h = self.owner._history_for(self)
-        if h is None:
-            return None
+    def _kv(self, h: dict) -> QuantKV:
         D = self.head_dim
         return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
                        _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
+
+    def read_history(self) -> QuantKV | SegmentedKV | None:
+        parts = self.owner._history_for(self)
+        if not parts:
+            return None
+        bt = self.owner.block_tokens
+        if len(parts) > 1 and all(bt % self._tg(k) == 0 for k in parts[0]) \
+                and all(p["k_codes"].device.type == "cpu" for p in parts):
+            # the blocks as they lie (device tier) or arrived (lower tiers): read in place
+            return SegmentedKV(tuple(self._kv(p) for p in parts), seg=bt)
+        return self._kv(_join(parts))
 
     def _pending_bytes(self) -> int:
         p = self.pending
@@ -195,6 +207,13 @@ class TieredKVLayer(QuantizedKVLayer):
             raise ValueError("a tiered cache cannot reorder or select batch rows of offloaded "
                              "history; allowed: batch operations before any block is written")
         super()._map(fn)
+
+
+def _join(parts: list[dict]) -> dict:
+    """One block dict from consecutive parts (tokens along dim 2)."""
+    if len(parts) == 1:
+        return parts[0]
+    return {n: torch.cat([p[n] for p in parts], dim=2) for n in parts[0]}
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -324,7 +343,8 @@ class TieredKVCache(KVCache):
                 continue
             s.sinks = (d.sinks[0].clone(), d.sinks[1].clone())
             s.window = (d.window[0].clone(), d.window[1].clone())
-            s.history = self._gather(d, list(d.block_keys), d.pending)
+            parts = self._gather(d, list(d.block_keys), d.pending)
+            s.history = _join(parts) if parts else None
             s.n_history = d.n_history
         return out
 
@@ -408,16 +428,16 @@ class TieredKVCache(KVCache):
         raise BlockLostError(f"KV block {key!r} is in no tier (corrupted, deleted or evicted "
                              "from the last tier); give the last tier more capacity")
 
-    def _gather(self, layer: TieredKVLayer, keys: list[str], pending) -> dict | None:
+    def _gather(self, layer: TieredKVLayer, keys: list[str], pending) -> list[dict]:
+        """The layer's blocks in order (device-tier blocks by reference, lower-tier blocks
+        as the copies just read) plus the partial block."""
         parts = [self._fetch(k) for k in keys]
         if pending is not None:
             parts.append(pending)
-        if not parts:
-            return None
         dev = layer.device
         if any(p["k_codes"].device != dev for p in parts):
             parts = [{n: t.to(dev) for n, t in p.items()} for p in parts]
-        return {n: torch.cat([p[n] for p in parts], dim=2) for n in parts[0]}
+        return parts
 
     def _hidden_blocks(self, layer: TieredKVLayer) -> int:
         """Sealed blocks outside the attention window (sliding policy), oldest first."""
@@ -441,9 +461,13 @@ class TieredKVCache(KVCache):
             if got is not None:
                 got[1].future.result()
             hist = self._gather(layer, self._visible(layer), layer.pending)
-        self._staged = sum(_nb(t) for t in (hist or {}).values())
         fp = self.fp_bytes()
         self._rebalance(fp)
+        # held beside the device tier: the blocks read from lower tiers, and any block the
+        # rebalance just demoted that this read still references
+        h0 = self._hidden_blocks(layer)
+        self._staged = sum(b for k, b in zip(layer.block_keys[h0:], layer.block_bytes[h0:])
+                           if not self.device_tier.contains(k))
         if self.prefetch and len(self.tiered) > 1:
             nxt = self.tiered[(self.tiered.index(layer) + 1) % len(self.tiered)]
             if nxt.block_keys:
