@@ -117,3 +117,17 @@ def test_generate_offload_bad_input_exit_2(model_dir, capsys):
     assert main(["generate", "hi", "--model", str(model_dir), "--offload", "host",
                  "--kv-budget", "lots"]) == 2
     assert "lots" in capsys.readouterr().err
+
+
+def test_generate_offload_options_are_shared_with_eval(model_dir, capsys, tmp_path):
+    prompt = " ".join(f"w{i % 50}" for i in range(400))
+    rc = main(["generate", prompt, "--model", str(model_dir), "--kv", "int4", "--raw", "--max-new-tokens", "2",
+               "--offload", f"host@16K,disk:{tmp_path / 'kv'}", "--kv-budget", "64K", "--block-tokens", "64",
+               "--no-prefetch"])
+    assert rc == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "tiers: " in x)
+    assert "budget 64.00 KiB" in line  # a bare K is KiB, as for plan
+    host = line.split("host ", 1)[1].split(",")[0]
+    assert host != "0 B" and "disk " in line
+    assert main(["generate", "hi", "--model", str(model_dir), "--offload", "host", "--block-tokens", "33"]) == 2
+    assert "block_tokens=33; allowed: a positive multiple of int4's block_size 32" in capsys.readouterr().err
