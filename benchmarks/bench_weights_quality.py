@@ -17,9 +17,10 @@ The fp32 logits of every window are written once to a temporary directory and re
 per row (16 x 768 x 49152 floats do not belong in RAM next to the models).
 
 Columns: ``bpw_all_linears`` = 8 x bytes / weights over every linear incl. ``lm_head``
-(``bpw_block_linears``: the decoder blocks' linears only), bytes as held: QuantLinear
-buffers (codes, scales, zero points), GGUF tensors at their block size
-(``plan.gguf_rules.type_bytes``), float linears at 4 bytes; ``disk_bytes``: the file(s)
+(``bpw_block_linears``: the decoder blocks' linears only), bytes as held in memory:
+QuantLinear / GGUFLinear buffers (codes, scales, zero points), float linears at 4 bytes
+(a tied lm_head once, float in every row); ``bpw_all_linears_file`` counts a GGUF row's
+float-held tensors at their GGUF block size (``plan.gguf_rules.type_bytes``); ``disk_bytes``: the file(s)
 written (``save_pretrained`` for fp32, ``save_quantized`` for lessmem rows, a GGUF file
 for GGUF rows: ``export_gguf`` of the built-in file, or a tensors-only GGUF written here
 for a model without a source .gguf); decode: greedy batch-1 decoding of
@@ -166,12 +167,14 @@ def decode_ratio(model, base, prompt, new_tokens: int, reps: int = 3) -> dict:
 
 
 def linear_bits(model, report: dict) -> dict:
-    """Effective bits per weight from the bytes held: over the blocks' linears and all linears.
+    """Effective bits per weight from bytes: over the blocks' linears and over all linears.
 
-    A tied ``lm_head`` counts once; GGUF layers decoded back to float count at their GGUF
-    block size (what the file and a fused GGUF kernel hold), others at their buffers."""
+    ``bpw_*``: the bytes held in memory (QuantLinear / GGUFLinear buffers: codes, scales,
+    zero points; float linears at their dtype; a tied lm_head counts once, and a GGUF row's
+    tied lm_head stays float in memory); ``bpw_all_linears_file``: what the file stores, a
+    GGUF-encoded float layer at its GGUF block size (``plan.gguf_rules.type_bytes``)."""
     gguf_types = report.get("types", {})
-    blk_b = blk_n = all_b = all_n = 0
+    blk_b = blk_n = all_b = all_n = file_b = 0
     seen, classes = set(), Counter()
     for name, m in model.named_modules():
         w = getattr(m, "weight", None)
@@ -179,21 +182,25 @@ def linear_bits(model, report: dict) -> dict:
             if id(w) in seen:
                 continue
             seen.add(id(w))
-            n = w.numel()
-            b = type_bytes(gguf_types[name], *w.shape) if name in gguf_types else n * w.element_size()
-        elif hasattr(m, "nbytes") and hasattr(m, "in_features"):  # QuantLinear, GGUF kernels
+            n = b = w.numel()
+            b *= w.element_size()
+            fb = type_bytes(gguf_types[name], *w.shape) if name in gguf_types else b
+        elif hasattr(m, "nbytes") and hasattr(m, "in_features"):  # QuantLinear, GGUFLinear
             n = m.in_features * m.out_features
-            b = m.nbytes - (m.bias.numel() * m.bias.element_size() if getattr(m, "bias", None) is not None else 0)
+            bias = getattr(m, "bias", None)
+            b = fb = m.nbytes - (bias.numel() * bias.element_size() if bias is not None else 0)
         else:
             continue
         classes[type(m).__name__] += 1
         all_b += b
+        file_b += fb
         all_n += n
         if name.endswith(BLOCK_LINEARS):
             blk_b += b
             blk_n += n
     return {"bpw_block_linears": 8 * blk_b / blk_n, "bpw_all_linears": 8 * all_b / all_n,
-            "linear_bytes": all_b, "layer_classes": dict(classes)}
+            "bpw_all_linears_file": 8 * file_b / all_n, "linear_bytes_held": all_b,
+            "layer_classes": dict(classes)}
 
 
 def _dir_bytes(d: Path) -> int:
@@ -324,10 +331,11 @@ def markdown_table(res: dict) -> str:
     """One model's rows as the README's markdown table."""
     lines = [f"{res['model']}: {res['protocol']['windows']} windows x {res['protocol']['window_len']} "
              f"tokens, {res['protocol']['scored_per_window']} scored per window. {res['weights_note']}",
-             "", "| row | bpw (block linears) | bpw (all linears) | size on disk | ppl | Δppl % | KLD | "
-             "decode vs fp32 | linear layers |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "| row | bpw (block linears) | bpw (all linears: RAM / file) | size on disk | ppl | Δppl % "
+             "| KLD | decode vs fp32 | linear layers |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        lines.append(f"| {r['row']} | {r['bpw_block_linears']:.2f} | {r['bpw_all_linears']:.2f} | "
+        lines.append(f"| {r['row']} | {r['bpw_block_linears']:.2f} | {r['bpw_all_linears']:.2f} / "
+                     f"{r.get('bpw_all_linears_file', r['bpw_all_linears']):.2f} | "
                      f"{r['disk_bytes'] / 1e6:.1f} MB | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} | "
                      f"{r['kld']:.4f} | {r['decode_ratio']:.2f}x | "
                      + ", ".join(f"{k} {v}" for k, v in r["layer_classes"].items()) + " |")
