@@ -95,6 +95,8 @@ class TieredKVLayer(QuantizedKVLayer):
 
     def reset(self) -> None:
         super().reset()
+        if hasattr(self.owner, "_version"):
+            self.owner._version += 1
         self.block_keys: list[str] = []
         self.block_bytes: list[int] = []
         self.part_bytes: dict[str, int] = {}
@@ -111,7 +113,12 @@ class TieredKVLayer(QuantizedKVLayer):
         spec = self.kspec if name.startswith("k_") else self.vspec
         return spec.group_shape(self.head_dim)[0]
 
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.owner._version += 1
+
     def _append_history(self, new: dict[str, torch.Tensor]) -> None:
+        self.owner._version += 1  # invalidates the owner's per-step sums
         n = new["k_codes"].shape[2]
         if self.pending is None:
             self.pending = {k: t.contiguous() for k, t in new.items()}
@@ -290,6 +297,8 @@ class TieredKVCache(KVCache):
         self.over_budget = 0  # reads at which even an empty device tier could not meet the budget
         self.prefill_skipped = 0
         self._hashes: list[str] = []
+        self._version = 0  # bumped whenever a layer's blocks or partial block change
+        self._sums: dict[str, tuple] = {}
 
     @classmethod
     def from_cache(cls, src: KVCache, **kwargs) -> TieredKVCache:
@@ -393,17 +402,27 @@ class TieredKVCache(KVCache):
         return sum(la.fp_bytes() for la in self.layers if isinstance(la, QuantizedKVLayer))
 
     def _reserve(self) -> int:
-        """Room for gathered histories: the layer computing now and the prefetched one."""
-        biggest = max((la.history_bytes() - sum(la.block_bytes[:self._hidden_blocks(la)])
-                       for la in self.tiered), default=0)
-        return biggest * (2 if self.prefetch else 1)
+        """Room for staged blocks: the layer computing now and the prefetched one."""
+        key = (self._version, self.prefetch, len(self.tiered))
+        if self._sums.get("reserve", (None,))[0] != key:
+            biggest = max((la.history_bytes() - sum(la.block_bytes[:self._hidden_blocks(la)])
+                           for la in self.tiered), default=0)
+            self._sums["reserve"] = (key, biggest * (2 if self.prefetch else 1))
+        return self._sums["reserve"][1]
+
+    def _token_bytes(self) -> int:
+        """Full-precision bytes one more token adds to all quantized layers together."""
+        key = (self._version, len(self.layers))
+        if self._sums.get("token", (None,))[0] != key:
+            self._sums["token"] = (key, sum(la.token_bytes() for la in self.layers
+                                            if isinstance(la, QuantizedKVLayer)))
+        return self._sums["token"][1]
 
     def _rebalance(self, fp: int | None = None) -> None:
         if self.device_budget is None:
             return
         # what the layers still to run in this forward add to their windows
-        growth = self._chunk * sum(la.token_bytes() for la in self.layers
-                                   if isinstance(la, QuantizedKVLayer))
+        growth = self._chunk * self._token_bytes()
         fp = self.fp_bytes() if fp is None else fp
         room = self.device_budget - fp - growth - self._reserve()
         if room < 0:
@@ -557,6 +576,7 @@ class TieredKVCache(KVCache):
             la.n_pending = la.n_history - n_blocks * self.block_tokens
             pend = {k.split(".p.", 1)[1]: t.to(dev) for k, t in rec.items() if k.startswith(f"L{i}.p.")}
             la.pending = pend or None
+            self._version += 1
             la.length = int(rec["length"][0])
             la.part_bytes = self._part_bytes_of(la, keys)
         self.prefill_skipped += 1
