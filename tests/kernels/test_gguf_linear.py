@@ -70,12 +70,18 @@ def test_decoders_bit_identical(backend, t):
         assert torch.equal(kern.gguf_linear(torch.eye(k), raw, t, n).T, ref)
 
 
-def test_batched_leading_dims_and_dtype():
+def test_batched_leading_dims_bias_and_dtype(backend):
     raw = _raw("q4_k", 8, 256, seed=3)
-    x = torch.randn(2, 3, 256)
-    y = kern.gguf_linear(x, raw, "Q4_K", 8)
+    x, b = torch.randn(2, 3, 256), torch.randn(8)
+    y = kern.gguf_linear(x, raw, "Q4_K", 8, bias=b)
     assert y.shape == (2, 3, 8)
-    torch.testing.assert_close(y, gguf_linear_ref(x, raw, "q4_k", 8), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, gguf_linear_ref(x, raw, "q4_k", 8) + b, rtol=1e-5, atol=1e-5)
+    yb = kern.gguf_linear(x.bfloat16(), raw, "q4_k", 8)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), gguf_linear_ref(x.bfloat16().float(), raw, "q4_k", 8),
+                               rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="bias has 7 values; out_features=8"):
+        kern.gguf_linear(x, raw, "q4_k", 8, bias=torch.zeros(7))
 
 
 def test_kernel_bad_inputs():

@@ -316,13 +316,19 @@ static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
   case Q5_K: F<Q5_K>(__VA_ARGS__); break; case Q6_K: F<Q6_K>(__VA_ARGS__); break; \
   default: TORCH_CHECK(false, "unknown ggml type id ", type); }
 
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) {
-  // x [M, K] float32, w uint8 raw GGUF rows (N * row_bytes bytes) -> y [M, N] float32
-  x = x.contiguous(); w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  DISPATCH(fused_impl, x.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K)
-  return y;
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N, torch::Tensor bias) {
+  // x [..., K] (any float dtype), w uint8 raw GGUF rows (N * row_bytes bytes), bias [N] float32
+  // or empty -> y [..., N] in x's dtype (the sums in float32)
+  const auto dtype = x.scalar_type();
+  auto shape = x.sizes().vec();
+  const int64_t K = shape.back(), M = K > 0 ? x.numel() / K : 0;
+  auto x2 = x.to(torch::kFloat32).contiguous();
+  w = w.contiguous();
+  shape.back() = N;
+  auto y = torch::empty(shape, x2.options());
+  DISPATCH(fused_impl, x2.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K)
+  if (bias.numel() > 0) y.add_(bias);
+  return dtype == torch::kFloat32 ? y : y.to(dtype);
 }
 
 torch::Tensor gguf_dequantize(torch::Tensor w, int64_t type, int64_t N, int64_t K) {
@@ -366,17 +372,29 @@ def _check(raw: torch.Tensor, qtype, out_features: int, in_features: int):
     return t
 
 
-def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype, out_features: int) -> torch.Tensor:
-    """``x [..., K] @ W_hat.T`` (float32 ``[..., N]``) with ``W`` as raw GGUF rows ``[N, row_bytes]``."""
-    k = x.shape[-1]
-    t = _check(raw, qtype, out_features, k)
-    x2 = x.reshape(-1, k).float().contiguous()
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ W_hat.T (+ bias)`` in x's dtype (float32 sums), ``W`` as raw GGUF rows ``[N, row_bytes]``."""
+    t = _check(raw, qtype, out_features, x.shape[-1])
+    if bias is not None and bias.numel() != int(out_features):
+        raise ValueError(f"bias has {bias.numel()} values; out_features={out_features}")
+    return gguf_linear_prechecked(x, raw, t, int(out_features), bias)
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def gguf_linear_prechecked(x: torch.Tensor, raw: torch.Tensor, t, out_features: int,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``gguf_linear`` without the argument checks, for callers that validated ``raw`` against
+    ``[out_features, x.shape[-1]]`` once (``GGUFLinear``): ``t`` is a ``GGUFType``. Shapes,
+    dtype and bias are handled in C++: ~5 us per call instead of ~20 us of Python, which at
+    210 linears per token is milliseconds."""
     m = _mod()
     if m is None:
-        y = ref.gguf_linear_ref(x2, raw, t, out_features)
-    else:
-        y = m.gguf_linear(x2, raw, t.ggml_id, int(out_features))
-    return y.view(*x.shape[:-1], int(out_features))
+        y = ref.gguf_linear_ref(x, raw, t, out_features)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    return m.gguf_linear(x, raw, t.ggml_id, out_features, _NO_BIAS if bias is None else bias.float())
 
 
 def gguf_dequantize(raw: torch.Tensor, qtype, out_features: int, in_features: int) -> torch.Tensor:

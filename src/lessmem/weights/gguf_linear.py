@@ -108,15 +108,11 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; this layer takes {self.in_features}")
-        dtype = x.dtype
-        rows = x.numel() // self.in_features
-        if rows > FUSED_MAX_ROWS:
-            y = F.linear(x.float(), self.dequantized_weight())
-        else:
-            y = kernel.gguf_linear(x, self.qweight, self._type, self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(dtype)
+        if x.numel() > FUSED_MAX_ROWS * self.in_features:  # prefill: decode once, BLAS
+            y = F.linear(x.float(), self.dequantized_weight(), None if self.bias is None else self.bias.float())
+            return y.to(x.dtype)
+        # qweight's shape was checked against [out, in] when it was set; bias added in C++
+        return kernel.gguf_linear_prechecked(x, self.qweight, self._type, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
