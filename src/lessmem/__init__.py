@@ -35,6 +35,7 @@ _LAZY = {
     "quantize_": "lessmem.weights",
     "save_quantized": "lessmem.weights",
     "RTNConfig": "lessmem.weights",
+    "HQQConfig": "lessmem.weights",
     "GPTQConfig": "lessmem.weights",
     "AWQConfig": "lessmem.weights",
     "SmoothQuantConfig": "lessmem.weights",

@@ -1,7 +1,7 @@
 """Weight quantization: which weights get quantized and how the codes are chosen.
 
-RTN, GPTQ, AWQ and SmoothQuant (W8A8) behind one call, ``quantize_``, which replaces
-``nn.Linear`` modules by ``QuantLinear`` (fused dequant-matmul kernels); checkpoints
+RTN, HQQ (calibration-free), GPTQ, AWQ and SmoothQuant (W8A8) behind one call, ``quantize_``,
+which replaces ``nn.Linear`` modules by ``QuantLinear`` (fused dequant-matmul kernels); checkpoints
 (``save_quantized`` / ``checkpoint.load_quantized``) and GGUF export.
 
 Example:
@@ -15,8 +15,16 @@ Example:
 
 from .apply import quantize_
 from .checkpoint import load_quantized, save_quantized
-from .config import AWQConfig, GGUFConfig, GPTQConfig, RTNConfig, SmoothQuantConfig, WeightConfig
+from .config import (
+    AWQConfig,
+    GGUFConfig,
+    GPTQConfig,
+    HQQConfig,
+    RTNConfig,
+    SmoothQuantConfig,
+    WeightConfig,
+)
 from .qlinear import QuantLinear
 
-__all__ = ["quantize_", "QuantLinear", "WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig",
-           "SmoothQuantConfig", "GGUFConfig", "save_quantized", "load_quantized"]
+__all__ = ["quantize_", "QuantLinear", "WeightConfig", "RTNConfig", "HQQConfig", "GPTQConfig",
+           "AWQConfig", "SmoothQuantConfig", "GGUFConfig", "save_quantized", "load_quantized"]

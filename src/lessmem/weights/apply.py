@@ -1,7 +1,8 @@
 """``quantize_(model, config, calibration=None, filter_fn=None)``: replace ``nn.Linear``
 modules by ``QuantLinear`` in place.
 
-RTN visits every linear on its own. Calibrated methods (GPTQ, AWQ, SmoothQuant) go
+RTN and HQQ visit every linear on their own (HQQ fits each group's zero point and scale
+to the weights, ``weights.hqq``). Calibrated methods (GPTQ, AWQ, SmoothQuant) go
 block by block: capture the first block's inputs once, then for each decoder block
 observe its linears' inputs, solve, replace, and run the quantized block to produce the
 next block's inputs. Linears outside the blocks (``lm_head`` unless skipped) get RTN.
@@ -28,8 +29,9 @@ from torch import nn
 
 from .arch import arch_for, get_module, set_module
 from .calibrate import BlockInputs, calibration_ids, describe, run_block
-from .config import GGUFConfig, WeightConfig
+from .config import GGUFConfig, HQQConfig, WeightConfig
 from .gguf_apply import apply_gguf
+from .hqq import hqq_quantize
 from .qlinear import QuantLinear
 from .rtn import rtn_quantize
 from .solvers import SOLVERS, LayerSpec
@@ -84,8 +86,8 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
     if isinstance(config, GGUFConfig):
         return apply_gguf(model, config, filter_fn)
     if not isinstance(config, WeightConfig):
-        raise ValueError(f"config={config!r} must be a weight config (RTNConfig, GPTQConfig, "
-                         "AWQConfig, SmoothQuantConfig, GGUFConfig)")
+        raise ValueError(f"config={config!r} must be a weight config (RTNConfig, HQQConfig, "
+                         "GPTQConfig, AWQConfig, SmoothQuantConfig, GGUFConfig)")
     t0 = time.perf_counter()
     targets = _targets(model, config, filter_fn)
     report = {"method": config.method, "config": config.to_dict(), "layers": {}}
@@ -94,11 +96,17 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
     else:
         done = set()
     rest = [n for n in targets if n not in done]
-    bar = _Progress(len(rest), "rtn", progress and bool(rest))
+    hqq = isinstance(config, HQQConfig)
+    bar = _Progress(len(rest), "hqq" if hqq else "rtn", progress and bool(rest))
     for name in rest:
         c = targets[name]
         lin = get_module(model, name)
-        qw = rtn_quantize(lin.weight, c.bits, c.group_size, c.symmetric)
+        if hqq:
+            h = config.for_module(name)  # per-module overrides of iters, lp_norm, beta, kappa
+            qw = hqq_quantize(lin.weight, c.bits, c.group_size, c.symmetric, iters=h.iters,
+                              lp_norm=h.lp_norm, beta=h.beta, kappa=h.kappa)
+        else:
+            qw = rtn_quantize(lin.weight, c.bits, c.group_size, c.symmetric)
         set_module(model, name, QuantLinear.from_quantized(qw, lin.bias))
         bar.step(name)
     bar.close()

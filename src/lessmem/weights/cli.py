@@ -1,6 +1,7 @@
 """``lessmem quantize``: quantize a model's weights and write a checkpoint or a GGUF file.
 
     lessmem quantize --model smollm2-135m --method gptq --bits 4 --group-size 128 --out DIR
+    lessmem quantize --model smollm2-135m --method hqq --bits 3 --group-size 64 --out DIR
     lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --out model.gguf
 
 ``--calibration FILE`` picks the calibration text (default: the built-in corpus,
@@ -13,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-HELP = "quantize a model's weights (RTN, GPTQ, AWQ, SmoothQuant, GGUF)"
-METHODS = ("rtn", "gptq", "awq", "smoothquant")
+HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, GGUF)"
+METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant")
 
 
 def add_arguments(p) -> None:
@@ -29,6 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--n-samples", type=int, default=32, help="calibration windows")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    p.add_argument("--iters", type=int, default=20, help="HQQ half-quadratic iterations")
+    p.add_argument("--lp-norm", type=float, default=0.7, help="HQQ lp norm of the error, 0 < p <= 1")
     p.add_argument("--format", default="lessmem", help="lessmem (checkpoint dir) or gguf")
     p.add_argument("--type", default="Q4_K_M", help="GGUF type or mix for --format gguf")
     p.add_argument("--out", required=True, help="output directory (or .gguf file)")
@@ -36,7 +39,7 @@ def add_arguments(p) -> None:
 
 
 def build_config(args):
-    from . import AWQConfig, GPTQConfig, RTNConfig, SmoothQuantConfig
+    from . import AWQConfig, GPTQConfig, HQQConfig, RTNConfig, SmoothQuantConfig
 
     if args.method not in METHODS:
         raise ValueError(f"--method {args.method!r}; allowed: {', '.join(METHODS)}")
@@ -48,6 +51,8 @@ def build_config(args):
     calib = dict(n_samples=args.n_samples, seq_len=args.seq_len)
     if args.method == "rtn":
         return RTNConfig(**common)
+    if args.method == "hqq":
+        return HQQConfig(**common, iters=args.iters, lp_norm=args.lp_norm)
     if args.method == "gptq":
         return GPTQConfig(**common, **calib)
     if args.method == "awq":

@@ -144,7 +144,8 @@ class WeightConfig:
     def from_dict(d: dict) -> WeightConfig:
         d = dict(d)
         method = d.pop("method", "rtn")
-        classes = {c.method: c for c in (RTNConfig, GPTQConfig, AWQConfig, SmoothQuantConfig)}
+        classes = {c.method: c for c in (RTNConfig, GPTQConfig, AWQConfig, SmoothQuantConfig,
+                                         HQQConfig)}
         if method not in classes:
             raise ValueError(f"method={method!r}; allowed: {', '.join(classes)}")
         if "skip" in d:
@@ -157,6 +158,43 @@ class RTNConfig(WeightConfig):
     """Round-to-nearest, no calibration: per group, min/max (or max|w|) sets the scale."""
 
     method = "rtn"
+
+
+@dataclass(frozen=True)
+class HQQConfig(WeightConfig):
+    """Half-Quadratic Quantization (Badri & Shaji 2023), no calibration: per group, the scale
+    from min/max, then the zero point fitted by ``iters`` half-quadratic iterations on the
+    lp error (p = ``lp_norm`` < 1: generalised soft-thresholding of the error with weight
+    ``beta``, grown by ``kappa`` each step, then a closed-form zero update), stopping when
+    the error stops improving; zero points are stored as integers (QuantLinear's uint8), so
+    the scale is then refitted the same way around the rounded zero (``weights.hqq``).
+
+    Groups always run along input columns (HQQ's ``axis=1``), the layout the fused kernels
+    hold. ``symmetric=True`` (and ``bits=8``, per-channel symmetric) fits the scale only.
+
+    Example:
+        >>> HQQConfig(bits=3).group_size, HQQConfig().lp_norm
+        (64, 0.7)
+        >>> HQQConfig(lp_norm=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: HQQConfig lp_norm=1.5 must be a number in (0.0, 1.0]
+    """
+
+    group_size: int | None = 64
+    iters: int = 20
+    lp_norm: float = 0.7
+    beta: float = 10.0
+    kappa: float = 1.01
+
+    method = "hqq"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int("iters", "HQQConfig", self.iters, 0, 1000)
+        _check_float("lp_norm", "HQQConfig", self.lp_norm, 0.0, 1.0, lo_open=True)
+        _check_float("beta", "HQQConfig", self.beta, 0.0, 1e12, lo_open=True)
+        _check_float("kappa", "HQQConfig", self.kappa, 1.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -242,7 +280,7 @@ class SmoothQuantConfig(CalibratedConfig):
         _check_float("alpha", "SmoothQuantConfig", self.alpha, 0.0, 1.0)
 
 
-__all__ = ["WeightConfig", "RTNConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig", "GGUFConfig",
+__all__ = ["WeightConfig", "RTNConfig", "HQQConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig", "GGUFConfig",
            "CalibratedConfig", "BITS", "GROUP_SIZES"]
 
 
