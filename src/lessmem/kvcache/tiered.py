@@ -56,7 +56,7 @@ import uuid
 
 import torch
 
-from ..kernels.attention import QuantKV, SegmentedKV
+from ..kernels.attention import QuantKV, QuantSide, SegmentedKV
 from ..offload import (
     DeviceTier,
     PrefetchHandle,
@@ -105,6 +105,7 @@ class TieredKVLayer(QuantizedKVLayer):
         self._pend = (None, 0)  # (the pending dict measured, its bytes): fp_bytes runs per layer per step
         self._tok_bytes = None
         self._sum = (0, 0)  # (len(block_bytes), sum(block_bytes)) cached
+        self._sides = None  # (device, key side, value side) templates for _kv
 
     # groups of tokens per row of each part (scales/zero points of per-channel keys)
     def _tg(self, name: str) -> int:
@@ -152,17 +153,26 @@ class TieredKVLayer(QuantizedKVLayer):
         return self._tok_bytes
 
     def _kv(self, h: dict) -> QuantKV:
-        D = self.head_dim
-        return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
-                       _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
+        if self._sides is None or self._sides[0] != h["k_codes"].device:  # per layer: format constants
+            D = self.head_dim
+            k = _side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D)
+            v = _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D)
+            self._sides = (h["k_codes"].device, k, v)
+        _, k, v = self._sides  # the same formats with this part's tensors (one per block and step)
+        return QuantKV(
+            QuantSide(h["k_codes"], h["k_scale"], h.get("k_zero_point") if k.zero_point is not None else None,
+                      k.lut, k.bits, k.tg, k.dg, k.zero_const),
+            QuantSide(h["v_codes"], h["v_scale"], h.get("v_zero_point") if v.zero_point is not None else None,
+                      v.lut, v.bits, v.tg, v.dg, v.zero_const))
 
     def read_history(self) -> QuantKV | SegmentedKV | None:
         parts = self.owner._history_for(self)
         if not parts:
             return None
         bt = self.owner.block_tokens
-        if len(parts) > 1 and all(bt % self._tg(k) == 0 for k in parts[0]) \
-                and all(p["k_codes"].device.type == "cpu" for p in parts):
+        if len(parts) > 1 and bt % self.kspec.group_shape(self.head_dim)[0] == 0 \
+                and bt % self.vspec.group_shape(self.head_dim)[0] == 0 \
+                and parts[0]["k_codes"].device.type == "cpu":
             # the blocks as they lie (device tier) or arrived (lower tiers): read in place
             return SegmentedKV(tuple(self._kv(p) for p in parts), seg=bt)
         return self._kv(_join(parts))
@@ -287,6 +297,7 @@ class TieredKVCache(KVCache):
             if isinstance(layer, QuantizedKVLayer):
                 self.layers[i] = TieredKVLayer(self.kv_config, i, self.rotations, self._fused, self)
         self.tiered = [la for la in self.layers if isinstance(la, TieredKVLayer) and la.quantized]
+        self._qlayers = [la for la in self.layers if isinstance(la, QuantizedKVLayer)]
         self.prefetch_stats = PrefetchStats()
         self._plock = threading.Lock()
         self._pool = None
@@ -335,6 +346,7 @@ class TieredKVCache(KVCache):
                     d._append_history({k: t[:, :, t0 // d._tg(k):t1 // d._tg(k)].clone()
                                        for k, t in h.items()})
         new.tiered = [la for la in new.layers if isinstance(la, TieredKVLayer) and la.quantized]
+        new._qlayers = [la for la in new.layers if isinstance(la, QuantizedKVLayer)]
         return new
 
     def to_kvcache(self) -> KVCache:
@@ -399,7 +411,7 @@ class TieredKVCache(KVCache):
             raise TierFullError(f"no tier can take block {key!r} ({nb} bytes): {e}") from e
 
     def fp_bytes(self) -> int:
-        return sum(la.fp_bytes() for la in self.layers if isinstance(la, QuantizedKVLayer))
+        return sum(la.fp_bytes() for la in self._qlayers)
 
     def _reserve(self) -> int:
         """Room for staged blocks: the layer computing now and the prefetched one."""
@@ -414,8 +426,7 @@ class TieredKVCache(KVCache):
         """Full-precision bytes one more token adds to all quantized layers together."""
         key = (self._version, len(self.layers))
         if self._sums.get("token", (None,))[0] != key:
-            self._sums["token"] = (key, sum(la.token_bytes() for la in self.layers
-                                            if isinstance(la, QuantizedKVLayer)))
+            self._sums["token"] = (key, sum(la.token_bytes() for la in self._qlayers))
         return self._sums["token"][1]
 
     def _rebalance(self, fp: int | None = None) -> None:
