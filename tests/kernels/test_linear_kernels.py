@@ -92,6 +92,17 @@ def test_lowbit_dtypes_and_noncontiguous(backend, dtype):
     torch.testing.assert_close(y3.reshape(6, n), y)
 
 
+def test_lowbit_bias_added_in_kernel(backend):
+    bits, gs, n, k = 2, 32, 9, 64
+    u, codes, scale, zero = _lowbit_case(bits, n, k, gs, False, 3)
+    x, bias = torch.randn(3, k), torch.randn(n)
+    y = linear_cpp.lowbit_linear(x, codes, bits, scale, zero, gs, bias)
+    torch.testing.assert_close(y, ref.lowbit_linear_ref(x, codes, bits, scale, zero, gs) + bias,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"bias \(8,\); allowed: None or \[9\]"):
+        linear_cpp.lowbit_linear(x, codes, bits, scale, zero, gs, bias[:8])
+
+
 def test_lowbit_activation_outlier_stays_in_its_group():
     """One huge activation coarsens only its own group's 16-bit step."""
     bits, gs, n, k = 4, 32, 16, 128

@@ -166,9 +166,12 @@ static inline int kperm(int pos) {
   return pos;                                       // 3-bit, and the scalar build: natural
 }
 
+// xq [M, 2K] int8: block j (32 codes) of row m at bytes [64j, 64j + 64) of row m:
+// 32 hi then 32 lo, in kperm order, so one cache line feeds both dot products.
+// d [M, G] = the step, a [M, G] = d · Σ_{k∈g} q (for the zero-point term).
 template <int BITS>
-static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xh, int8_t* xl,
-                     float* dl, int32_t* qs) {
+static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* dl,
+                     float* a) {
   const int64_t G = K / gs;
   int perm[32];
   for (int p = 0; p < 32; ++p) perm[p] = kperm<BITS>(p);
@@ -187,14 +190,16 @@ static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* x
         sum += q[k];
       }
       dl[m * G + g] = d;
-      qs[m * G + g] = sum;
-      for (int64_t b0 = 0; b0 < gs; b0 += 32)
+      a[m * G + g] = d * (float)sum;
+      for (int64_t b0 = 0; b0 < gs; b0 += 32) {
+        int8_t* dst = xq + m * 2 * K + 2 * (g * gs + b0);
         for (int p = 0; p < 32; ++p) {
           const int32_t v = q[b0 + perm[p]];
           const int32_t hi = (v + 127 + 254 * 128) / 254 - 128;   // floor((v + 127) / 254)
-          xh[m * K + g * gs + b0 + p] = (int8_t)hi;
-          xl[m * K + g * gs + b0 + p] = (int8_t)(v - 254 * hi);
+          dst[p] = (int8_t)hi;
+          dst[32 + p] = (int8_t)(v - 254 * hi);
         }
+      }
     }
 }
 
@@ -239,45 +244,41 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
-// One weight row (codes b, G scales s, zero points z) against MT (1..4) activation rows:
-// out[r] = Σ_g s_g · d[r,g] · (254·Σ u·hi + Σ u·lo − z_g · Σ q[r, g]).
+// One weight row (codes b) against MT (1..4) activation rows, f [MT, G] (stride G) the
+// per-group factors s[n, g] · d[r, g]: out[r] = Σ_g f[r, g] · (254·Σ u·hi + Σ u·lo).
 template <int BITS, int MT>
-static inline void lowbit_row(const uint8_t* b, const at::Half* s, const uint8_t* z,
-                              const int8_t* xh, const int8_t* xl, const float* dl, const int32_t* qs,
-                              int64_t K, int64_t G, int64_t gs, float* out) {
+static inline void lowbit_row(const uint8_t* b, const float* f, const int8_t* xq, int64_t K,
+                              int64_t G, int64_t gs, float* out) {
   constexpr int BB = 4 * BITS;                     // bytes per 32-code block
   const int64_t NB = gs / 32;
-  float zacc[MT];
-  for (int r = 0; r < MT; ++r) zacc[r] = 0.f;
 #ifdef LM_AVX2
-  __m256 tot[MT];
-  for (int r = 0; r < MT; ++r) tot[r] = _mm256_setzero_ps();
-  const __m256 c254 = _mm256_set1_ps(254.f);
+  __m256 th[MT], tl[MT];
+  for (int r = 0; r < MT; ++r) { th[r] = _mm256_setzero_ps(); tl[r] = _mm256_setzero_ps(); }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* bg = b + g * NB * BB;
+    const int8_t* xg = xq + 2 * g * gs;
     __m256i ah[MT], al[MT];
     for (int r = 0; r < MT; ++r) { ah[r] = _mm256_setzero_si256(); al[r] = _mm256_setzero_si256(); }
     for (int64_t j = 0; j < NB; ++j) {
       const __m256i u = decode32<BITS>(bg + j * BB);
-      const int64_t k = g * gs + 32 * j;
       for (int r = 0; r < MT; ++r) {
-        ah[r] = dot_u8s8(ah[r], u, _mm256_loadu_si256((const __m256i*)(xh + r * K + k)));
-        al[r] = dot_u8s8(al[r], u, _mm256_loadu_si256((const __m256i*)(xl + r * K + k)));
+        const int8_t* xr = xg + r * 2 * K + 64 * j;
+        ah[r] = dot_u8s8(ah[r], u, _mm256_loadu_si256((const __m256i*)xr));
+        al[r] = dot_u8s8(al[r], u, _mm256_loadu_si256((const __m256i*)(xr + 32)));
       }
     }
-    const float sg = h2f(s[g]), zg = (float)z[g];
     for (int r = 0; r < MT; ++r) {
-      const float f = sg * dl[r * G + g];
-      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ah[r]), c254, _mm256_cvtepi32_ps(al[r]));
-      tot[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(f), tot[r]);
-      zacc[r] += f * zg * (float)qs[r * G + g];
+      const __m256 vf = _mm256_broadcast_ss(f + r * G + g);
+      th[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ah[r]), vf, th[r]);
+      tl[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(al[r]), vf, tl[r]);
     }
   }
   for (int r = 0; r < MT; ++r) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
+    const __m256 t = _mm256_fmadd_ps(th[r], _mm256_set1_ps(254.f), tl[r]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    out[r] = _mm_cvtss_f32(h) - zacc[r];
+    out[r] = _mm_cvtss_f32(h);
   }
 #else
   constexpr uint32_t MASK = (1u << BITS) - 1;
@@ -290,30 +291,29 @@ static inline void lowbit_row(const uint8_t* b, const at::Half* s, const uint8_t
       const int64_t bit = k * BITS;                 // code k: bits [bit, bit + BITS) of the stream
       const uint32_t two = (uint32_t)b[bit >> 3] | ((uint32_t)b[(bit >> 3) + 1] << 8);
       const int32_t u = (int32_t)((two >> (bit & 7)) & MASK);
-      for (int r = 0; r < MT; ++r) { ah[r] += u * xh[r * K + k]; al[r] += u * xl[r * K + k]; }
+      const int64_t o = 2 * (k - k % 32) + k % 32;  // natural order: hi at o, lo at o + 32
+      for (int r = 0; r < MT; ++r) { ah[r] += u * xq[r * 2 * K + o]; al[r] += u * xq[r * 2 * K + o + 32]; }
     }
-    const float sg = h2f(s[g]), zg = (float)z[g];
-    for (int r = 0; r < MT; ++r) {
-      const float f = sg * dl[r * G + g];
-      tot[r] += f * (254.f * (float)ah[r] + (float)al[r]);
-      zacc[r] += f * zg * (float)qs[r * G + g];
-    }
+    for (int r = 0; r < MT; ++r) tot[r] += f[r * G + g] * (254.f * (float)ah[r] + (float)al[r]);
   }
-  for (int r = 0; r < MT; ++r) out[r] = tot[r] - zacc[r];
+  for (int r = 0; r < MT; ++r) out[r] = tot[r];
 #endif
 }
 
 template <int BITS>
 static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, const uint8_t* zp,
-                        float* yp, int64_t M, int64_t N, int64_t K, int64_t gs) {
+                        const float* bias, float* yp, int64_t M, int64_t N, int64_t K, int64_t gs) {
   const int64_t G = K / gs, row_bytes = K * BITS / 8;
-  std::vector<int8_t> xh(M * K), xl(M * K);
-  std::vector<float> dl(M * G);
-  std::vector<int32_t> qs(M * G);
-  prep_act<BITS>(x, M, K, gs, xh.data(), xl.data(), dl.data(), qs.data());
+  auto xq_t = torch::empty({M, 2 * K}, torch::kChar);  // 64-byte aligned by the CPU allocator
+  auto da_t = torch::empty({2, M, G}, torch::kFloat);
+  int8_t* xq = xq_t.data_ptr<int8_t>();
+  float* dl = da_t.data_ptr<float>();
+  float* al = dl + M * G;
+  prep_act<BITS>(x, M, K, gs, xq, dl, al);
   #pragma omp parallel if(N * K * M >= PAR_MIN_WORK)
   {
     std::vector<uint8_t> last;                      // the buffer's last row, padded by 16 bytes
+    std::vector<float> sf(G), f(4 * G);
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t* b = cp + n * row_bytes;
@@ -324,41 +324,74 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, c
       }
       const at::Half* s = sp + n * G;
       const uint8_t* z = zp + n * G;
+      int64_t g0 = 0;
+#ifdef LM_AVX2
+      for (; g0 + 8 <= G; g0 += 8)
+        _mm256_storeu_ps(sf.data() + g0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + g0))));
+#endif
+      for (int64_t g = g0; g < G; ++g) sf[g] = h2f(s[g]);
+      const float bn = bias ? bias[n] : 0.f;
       float out[4];
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mt = std::min<int64_t>(4, M - m0);
-        const int8_t* h = xh.data() + m0 * K;
-        const int8_t* l = xl.data() + m0 * K;
-        const float* d = dl.data() + m0 * G;
-        const int32_t* q = qs.data() + m0 * G;
-        switch (mt) {
-          case 4: lowbit_row<BITS, 4>(b, s, z, h, l, d, q, K, G, gs, out); break;
-          case 3: lowbit_row<BITS, 3>(b, s, z, h, l, d, q, K, G, gs, out); break;
-          case 2: lowbit_row<BITS, 2>(b, s, z, h, l, d, q, K, G, gs, out); break;
-          default: lowbit_row<BITS, 1>(b, s, z, h, l, d, q, K, G, gs, out); break;
+        float zt[4];
+        for (int64_t r = 0; r < mt; ++r) {          // f = s·d; zero term Σ_g s·z·d·Σq
+          const float* d = dl + (m0 + r) * G;
+          const float* a = al + (m0 + r) * G;
+          float* fr = f.data() + r * G;
+          float acc = 0.f;
+          int64_t g = 0;
+#ifdef LM_AVX2  // (an omp simd reduction here costs a 64-lane scalar sum per row)
+          __m256 va = _mm256_setzero_ps();
+          for (; g + 8 <= G; g += 8) {
+            const __m256 vs = _mm256_loadu_ps(sf.data() + g);
+            _mm256_storeu_ps(fr + g, _mm256_mul_ps(vs, _mm256_loadu_ps(d + g)));
+            const __m256 vz = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(z + g))));
+            va = _mm256_fmadd_ps(_mm256_mul_ps(vs, vz), _mm256_loadu_ps(a + g), va);
+          }
+          __m128 h = _mm_add_ps(_mm256_castps256_ps128(va), _mm256_extractf128_ps(va, 1));
+          h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+          acc = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+          for (; g < G; ++g) {
+            fr[g] = sf[g] * d[g];
+            acc += sf[g] * (float)z[g] * a[g];
+          }
+          zt[r] = acc;
         }
-        for (int64_t r = 0; r < mt; ++r) yp[(m0 + r) * N + n] = out[r];
+        const int8_t* xm = xq + m0 * 2 * K;
+        switch (mt) {
+          case 4: lowbit_row<BITS, 4>(b, f.data(), xm, K, G, gs, out); break;
+          case 3: lowbit_row<BITS, 3>(b, f.data(), xm, K, G, gs, out); break;
+          case 2: lowbit_row<BITS, 2>(b, f.data(), xm, K, G, gs, out); break;
+          default: lowbit_row<BITS, 1>(b, f.data(), xm, K, G, gs, out); break;
+        }
+        for (int64_t r = 0; r < mt; ++r) yp[(m0 + r) * N + n] = out[r] - zt[r] + bn;
       }
     }
   }
 }
 
 torch::Tensor lowbit_linear(torch::Tensor x, torch::Tensor codes, int64_t bits, torch::Tensor scale,
-                            torch::Tensor zero, int64_t group_size) {
-  // x [M, K] float32, codes uint8 (N*K*bits/8), scale [N, G] float16, zero [N, G] uint8
+                            torch::Tensor zero, int64_t group_size, torch::Tensor bias) {
+  // x [M, K] float32, codes uint8 (N*K*bits/8), scale [N, G] float16, zero [N, G] uint8,
+  // bias [N] float32 or empty (no bias)
   x = x.contiguous(); codes = codes.contiguous(); scale = scale.contiguous(); zero = zero.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "lowbit_linear: bad K/group");
   TORCH_CHECK(codes.numel() >= N * K * bits / 8, "lowbit_linear: codes too short");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "lowbit_linear: bias size");
+  bias = bias.contiguous();
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scale.data_ptr<at::Half>();
   const uint8_t* zp = zero.data_ptr<uint8_t>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (bits == 2) lowbit_impl<2>(xp, cp, sp, zp, yp, M, N, K, group_size);
-  else if (bits == 3) lowbit_impl<3>(xp, cp, sp, zp, yp, M, N, K, group_size);
-  else lowbit_impl<4>(xp, cp, sp, zp, yp, M, N, K, group_size);
+  if (bits == 2) lowbit_impl<2>(xp, cp, sp, zp, bp, yp, M, N, K, group_size);
+  else if (bits == 3) lowbit_impl<3>(xp, cp, sp, zp, bp, yp, M, N, K, group_size);
+  else lowbit_impl<4>(xp, cp, sp, zp, bp, yp, M, N, K, group_size);
   return y;
 }
 
@@ -427,12 +460,12 @@ def lowbit_supported(in_features: int, group_size: int) -> bool:
 
 
 def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
-                  zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Group-wise 2/3/4-bit dequant-matmul (see the module doc for the formula).
+                  zero: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Group-wise 2/3/4-bit dequant-matmul (see the module doc for the formula), plus bias.
 
     ``x [..., K]`` any float dtype (rounded per group to 16-bit fixed point as in the module
-    doc), ``codes`` from ``pack_bits``, ``scale [N, G]`` fp16, ``zero [N, G]`` uint8;
-    returns float32 ``[..., N]``.
+    doc), ``codes`` from ``pack_bits``, ``scale [N, G]`` fp16, ``zero [N, G]`` uint8, optional
+    ``bias [N]``; returns float32 ``[..., N]``.
     """
     if bits not in (2, 3, 4):
         raise ValueError(f"lowbit_linear bits={bits!r}; allowed: 2, 3, 4")
@@ -448,10 +481,26 @@ def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.
     if codes.dtype != torch.uint8 or codes.numel() < n * k * bits // 8:
         raise ValueError(f"codes {codes.dtype} with {codes.numel()} bytes; allowed: uint8 with "
                          f"N·K·bits/8 = {n * k * bits // 8} bytes")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}; allowed: None or [{n}]")
+    return lowbit_linear_unchecked(x, codes, bits, scale, zero, group_size, bias)
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def lowbit_linear_unchecked(x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
+                            zero: torch.Tensor, group_size: int,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``lowbit_linear`` without the argument checks, for callers that validated their
+    tensors once (``QuantLinear`` at construction): saves ~6 us per call at batch 1."""
     m = _mod()
     x2 = _2d(x)
     if m is None:
         y = ref.lowbit_linear_ref(x2, codes, bits, scale, zero, group_size)
+        if bias is not None:
+            y = y + bias.float()
     else:
-        y = m.lowbit_linear(x2, codes, bits, scale, zero, group_size)
-    return y.view(*x.shape[:-1], n)
+        y = m.lowbit_linear(x2, codes, bits, scale, zero, group_size,
+                            _NO_BIAS if bias is None else bias.float())
+    return y.view(*x.shape[:-1], scale.shape[0])

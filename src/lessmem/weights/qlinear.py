@@ -60,6 +60,8 @@ class QuantLinear(nn.Module):
         self.bits, self.group_size, self.symmetric, self.act_bits = bits, group_size, symmetric, act_bits
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.layout = "unset"
+        # lowbit_linear takes groups of whole 32-code blocks; others dequantize + BLAS
+        self._fused = linear_cpp.lowbit_supported(in_features, group_size)
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -158,19 +160,19 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         rows = x.numel() // self.in_features
+        if self.layout == "packed" and rows <= FUSED_MAX_ROWS and self._fused:
+            # the kernel adds the bias; its tensors were validated when they were set
+            y = linear_cpp.lowbit_linear_unchecked(x, self.qweight, self.bits, self.scale,
+                                                   self.zero_point, self.group_size, self.bias)
+            return y if dtype == torch.float32 else y.to(dtype)
         if self.act_bits == 8:
             y = self._forward_w8a8(x)
         elif self.layout == "int4pack":
             y = i4.int4_linear(x, self.int4pack, self.group_size, self.int4_sz)
-        elif rows > FUSED_MAX_ROWS or (
-                self.layout == "packed" and not linear_cpp.lowbit_supported(self.in_features,
-                                                                            self.group_size)):
+        elif rows > FUSED_MAX_ROWS or self.layout == "packed":
             y = F.linear(x.float(), self.dequantized_weight())
-        elif self.layout == "int8":
-            y = linear_cpp.int8_linear(x, self.qweight, self.scale.view(-1))
         else:
-            y = linear_cpp.lowbit_linear(x, self.qweight, self.bits, self.scale, self.zero_point,
-                                         self.group_size)
+            y = linear_cpp.int8_linear(x, self.qweight, self.scale.view(-1))
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype)
