@@ -120,12 +120,15 @@ def scored_logits(model, w: torch.Tensor, prefill: int) -> torch.Tensor:
 class Reference:
     """fp32 logits of every window, kept on disk (one file per window)."""
 
-    def __init__(self, model, windows: torch.Tensor, prefill: int, tmp: Path):
-        self.paths = []
-        for i, w in enumerate(windows):
+    def __init__(self, model, windows: torch.Tensor, prefill: int, tmp: Path, paths=None):
+        self.paths = paths if paths is not None else []
+        for i, w in enumerate(windows if paths is None else []):
             p = tmp / f"ref{i}.pt"
             torch.save(scored_logits(model, w, prefill), p)
             self.paths.append(p)
+
+    def first(self, k: int) -> Reference:
+        return Reference(None, None, 0, None, self.paths[:k])
 
     def __iter__(self):
         for p in self.paths:
@@ -147,6 +150,20 @@ def score(model, windows: torch.Tensor, ref: Reference, prefill: int, rows: int 
             top1 += int((lq.argmax(-1) == lp.argmax(-1)).sum())
         n += tgt.numel()
     return {"ppl": math.exp(nll / n), "kld": kld / n, "top1": top1 / n, "tokens_scored": n}
+
+
+def kv_evaluator_check(model, tok, windows: torch.Tensor, ref: Reference, prefill: int) -> dict:
+    """Reference check first: window 0 scored here (one forward) and by the KV evaluator
+    (``lessmem.eval.perplexity.evaluate``: prefill, then chunks of 16 through a cache)."""
+    from lessmem.eval.perplexity import evaluate
+
+    here = score(model, windows[:1], ref.first(1), prefill)["ppl"]
+    kv = evaluate(model, tok, [], windows[0], windows=1, window_len=windows.shape[1], chunk=16)[0]
+    assert kv["prefill"] == prefill, (kv["prefill"], prefill)
+    rel = abs(here / kv["ppl"] - 1)
+    if rel > 1e-3:
+        raise SystemExit(f"window 0: ppl {here:.4f} here vs {kv['ppl']:.4f} in the KV evaluator")
+    return {"window0_ppl": here, "window0_ppl_kv_evaluator": kv["ppl"], "rel_diff": rel}
 
 
 @torch.inference_mode()
@@ -279,6 +296,7 @@ def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> 
         ref = Reference(base, windows, prefill, tmp)
         ref_score = score(base, windows, ref, prefill)
         ref_secs = time.perf_counter() - t0
+        check = kv_evaluator_check(base, tok, windows, ref, prefill)
         prompt = windows[0, :32][None]
         fp_disk, fp_how = disk_bytes(base, {"method": "fp32"}, name, tmp)
         rows = [{"row": "fp32 reference", **ref_score, "delta_ppl_pct": 0.0,
@@ -320,7 +338,8 @@ def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> 
     return {"model": name,
             "protocol": {"windows": args.windows, "window_len": wlen, "prefill": prefill,
                          "scored_per_window": wlen - prefill, "window_fn": "lessmem.eval.perplexity.make_windows",
-                         "calibration": calib, "decode_tokens": args.decode_tokens, "batch": 1},
+                         "calibration": calib, "decode_tokens": args.decode_tokens, "batch": 1,
+                         "kv_evaluator_check": check},
             "weights_note": Q41_NOTE if name == "smollm2-135m" else
             ("full-precision weights trained here (train_small_llama.py, 256-token training "
              "context, so windows of 256 tokens)" if name == "wiki-byte-llama" else "tiny random (quick)"),
