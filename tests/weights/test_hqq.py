@@ -302,3 +302,12 @@ def test_cli_quantize_hqq(tmp_path, capsys):
     assert main(["quantize", "--model", str(src), "--method", "hqq", "--lp-norm", "2",
                  "--out", str(tmp_path / "bad")]) == 2
     assert "HQQConfig lp_norm=2.0 must be a number in (0.0, 1.0]" in capsys.readouterr().err
+
+
+def test_docstring_examples():
+    import doctest
+
+    import lessmem.weights.hqq as mod
+
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
