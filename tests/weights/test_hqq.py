@@ -167,6 +167,17 @@ def test_shrink_lp_keeps_sign_zeroes_small_errors_and_shrinks_large_ones():
     assert bool((y.abs() <= x.abs()).all()) and y[0] < 0 < y[4]
 
 
+@pytest.mark.parametrize("p", [0.5, 0.7, 1.0])
+def test_quadratic_part_is_the_error_minus_its_shrinkage(p):
+    from lessmem.weights.hqq import _quadratic_part
+
+    r = torch.randn(4, 64) * 0.3
+    r[0, :3] = 0.0
+    a = r.abs()
+    got = _quadratic_part(r, a, a.pow(p), 10.0)
+    assert torch.allclose(got, r - shrink_lp(r, 10.0, p), atol=1e-6)
+
+
 def test_closed_form_steps_minimise_the_quadratic():
     torch.manual_seed(0)
     w, e = torch.randn(3, 64), torch.randn(3, 64) * 0.01
