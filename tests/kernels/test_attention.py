@@ -111,21 +111,24 @@ def test_one_call_history_plus_full_precision(causal, masked):
     torch.testing.assert_close(out_f + out_h, p @ v, atol=1e-4, rtol=1e-4)
 
 
-def _split(side: QuantSide, bounds):
-    return [side.slice_tokens(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+def _segments(kv: QuantKV, bounds, seg):
+    from lessmem.kernels.attention import SegmentedKV
+
+    def parts(side):
+        return tuple((x.codes, x.scale, x.zero_point) for x in
+                     (side.slice_tokens(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=False)))
+    return SegmentedKV(kv.keys, kv.values, parts(kv.keys), parts(kv.values), seg)
 
 
 @pytest.mark.parametrize("bits,tg,dg,kind", CASES)
 def test_segmented_history_is_bit_exact_with_the_joined_one(bits, tg, dg, kind):
     # blocks fetched from different tiers are read in place: same result, bit for bit
-    from lessmem.kernels.attention import SegmentedKV, fused_attention
+    from lessmem.kernels.attention import fused_attention
 
     g = torch.Generator().manual_seed(7 + bits + tg)
     B, Hkv, Hq, Tq, T, D = 2, 2, 6, 1, 448, 64
     kv = QuantKV(_side(g, B, Hkv, T, D, bits, tg, dg, kind), _side(g, B, Hkv, T, D, bits, tg, dg, kind))
-    bounds = [0, 128, 256, 384, 448]  # three full segments of 128 and a partial one
-    segs = SegmentedKV(tuple(QuantKV(k, v) for k, v in zip(_split(kv.keys, bounds), _split(kv.values, bounds))),
-                       seg=128)
+    segs = _segments(kv, [0, 128, 256, 384, 448], 128)  # three full segments and a partial one
     assert segs.n_tokens == T and segs.n_kv_heads == Hkv
     q = torch.randn(B, Hq, Tq, D, generator=g) * 0.1
     mask = torch.zeros(B, Tq, T)
@@ -136,20 +139,31 @@ def test_segmented_history_is_bit_exact_with_the_joined_one(bits, tg, dg, kind):
     kf, vf = torch.randn(B, Hkv, 5, D, generator=g), torch.randn(B, Hkv, 5, D, generator=g)
     one = fused_attention(q, kv, mask, q, kf, vf, None, False)
     many = fused_attention(q, segs, mask, q, kf, vf, None, False)
-    assert all(torch.equal(a, b) for a, b in zip(one, many))
+    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
     # the torch path and the reference read the joined parts
     out_t, _ = quantized_attention(q, segs, mask, use_cpp=False)
     ref, _ = attention_reference(q, kv, mask)
     assert (out_t - ref).abs().max() <= 1e-4 * float(ref.abs().max()) + 1e-6
+    assert torch.equal(segs.keys.codes, kv.keys.codes) and torch.equal(segs.values.scale, kv.values.scale)
+
+
+def test_segmented_history_converts_odd_parts_in_the_kernel():
+    # a non-contiguous part or fp32 scales are converted (and kept alive) by the C++ side
+    g = torch.Generator().manual_seed(5)
+    kv = QuantKV(_side(g, 1, 2, 128, 64, 4, 32, 1, "zp"), _side(g, 1, 2, 128, 64, 4, 1, 64, "zp"))
+    segs = _segments(kv, [0, 64, 128], 64)
+    k0 = segs.k_parts[0]
+    odd = (k0[0].transpose(1, 2).contiguous().transpose(1, 2), k0[1].float(), k0[2])
+    assert not odd[0].is_contiguous()
+    segs2 = type(segs)(segs.k, segs.v, (odd, *segs.k_parts[1:]), segs.v_parts, 64)
+    q = torch.randn(1, 4, 1, 64, generator=g)
+    assert torch.equal(quantized_attention(q, segs2)[0], quantized_attention(q, kv)[0])
 
 
 def test_segmented_history_rejects_uneven_parts():
-    from lessmem.kernels.attention import SegmentedKV
-
     g = torch.Generator().manual_seed(3)
     kv = QuantKV(_side(g, 1, 1, 96, 64, 4, 32, 1, "zp"), _side(g, 1, 1, 96, 64, 4, 1, 64, "zp"))
-    parts = tuple(QuantKV(k, v) for k, v in zip(_split(kv.keys, [0, 32, 96]), _split(kv.values, [0, 32, 96])))
     with pytest.raises(ValueError, match="every part but the last"):
-        SegmentedKV(parts, seg=64)
+        _segments(kv, [0, 32, 96], 64)
     with pytest.raises(ValueError, match="multiple of 32"):
-        SegmentedKV(parts[:1], seg=16)
+        _segments(kv, [0, 16, 32], 16)

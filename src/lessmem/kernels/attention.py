@@ -89,56 +89,45 @@ class QuantKV:
     def n_kv_heads(self) -> int:
         return self.keys.codes.shape[1]
 
-    @property
-    def segments(self) -> tuple[QuantKV, ...]:
-        return (self,)
 
-    seg = 0  # tokens per segment (0: one segment)
-
-
-def _cat_sides(sides: list[QuantSide]) -> QuantSide:
-    s = sides[0]
-    zp = torch.cat([x.zero_point for x in sides], 2) if s.zero_point is not None else None
-    return QuantSide(torch.cat([x.codes for x in sides], 2), torch.cat([x.scale for x in sides], 2),
-                     zp, s.lut, s.bits, s.tg, s.dg, s.zero_const)
+def _cat_parts(t: QuantSide, parts) -> QuantSide:
+    zp = torch.cat([p[2] for p in parts], 2) if t.zero_point is not None else None
+    return QuantSide(torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2), zp,
+                     t.lut, t.bits, t.tg, t.dg, t.zero_const)
 
 
 @dataclass(frozen=True)
 class SegmentedKV:
     """A history that arrives in pieces (blocks fetched from different tiers) and is read
-    in place, never concatenated: ``parts[i]`` holds tokens ``[i·seg, i·seg + n_i)``;
-    every part but the last has ``seg`` tokens, a multiple of both sides' token groups.
-    The C++ kernel walks the parts directly; ``keys``/``values`` join them (a copy) for
-    the reference and torch paths."""
+    in place, never concatenated. ``k_parts[i]``/``v_parts[i]`` = ``(codes, scale,
+    zero_point or None)`` of tokens ``[i·seg, i·seg + n_i)``, laid out like a
+    :class:`QuantSide`'s tensors; every part but the last has ``seg`` tokens, a multiple of
+    both sides' token groups. ``k``/``v`` give the formats (bits, groups, level table,
+    zero constant); their own tensors are not read. The C++ kernel walks the parts
+    directly; ``keys``/``values`` join them (a copy) for the reference and torch paths."""
 
-    parts: tuple[QuantKV, ...]
+    k: QuantSide
+    v: QuantSide
+    k_parts: tuple
+    v_parts: tuple
     seg: int
 
     def __post_init__(self):
-        if not self.parts:
-            raise ValueError("SegmentedKV needs at least one part")
-        tg = max(self.parts[0].keys.tg, self.parts[0].values.tg)
-        if self.seg <= 0 or self.seg % tg or any(p.n_tokens != self.seg for p in self.parts[:-1]):
-            raise ValueError(f"SegmentedKV parts of {[p.n_tokens for p in self.parts]} tokens, seg="
-                             f"{self.seg}; allowed: every part but the last of seg tokens, a multiple of {tg}")
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(p.n_tokens for p in self.parts)
+        sizes = [p[0].shape[2] for p in self.k_parts]
+        tg = max(self.k.tg, self.v.tg)
+        if not sizes or len(self.v_parts) != len(sizes) or self.seg <= 0 or self.seg % tg \
+                or any(n != self.seg for n in sizes[:-1]) or not 0 < sizes[-1] <= self.seg:
+            raise ValueError(f"SegmentedKV parts of {sizes} tokens, seg={self.seg}; allowed: every part "
+                             f"but the last of seg tokens, a multiple of {tg}, keys and values alike")
+        object.__setattr__(self, "n_tokens", sum(sizes))
 
     @property
     def n_kv_heads(self) -> int:
-        return self.parts[0].n_kv_heads
-
-    @property
-    def segments(self) -> tuple[QuantKV, ...]:
-        return self.parts
+        return self.k_parts[0][0].shape[1]
 
     @functools.cached_property
     def joined(self) -> QuantKV:
-        if len(self.parts) == 1:
-            return self.parts[0]
-        return QuantKV(_cat_sides([p.keys for p in self.parts]), _cat_sides([p.values for p in self.parts]))
+        return QuantKV(_cat_parts(self.k, self.k_parts), _cat_parts(self.v, self.v_parts))
 
     @property
     def keys(self) -> QuantSide:
@@ -164,20 +153,22 @@ def _n_split(B: int, H: int, T: int) -> int:
     return max(1, min(want, T // 128 or 1))
 
 
-def _side_args(sides: list[QuantSide]):
-    """The kernel's arguments for one side given as segments (lists of per-part tensors)."""
-    s = sides[0]
-    empty_f = torch.empty(0, dtype=torch.float32)
-    return ([x.codes.contiguous() for x in sides], [x.scale.to(torch.float16).contiguous() for x in sides],
-            [x.zero_point.contiguous() for x in sides] if s.zero_point is not None else [],
-            s.lut.float().contiguous() if s.lut is not None else empty_f,
-            int(s.bits), int(s.tg), int(s.dg), float(s.zero_const))
+def _side_args(t: QuantSide, parts):
+    """The kernel's arguments for one side: format ``t`` and ``(codes, scale, zp)`` parts."""
+    empty_f = torch.empty(0, dtype=torch.float32)  # contiguity and fp16 scales: made in C++
+    return ([p[0] for p in parts], [p[1] for p in parts],
+            [p[2] for p in parts] if t.zero_point is not None else [],
+            t.lut.float().contiguous() if t.lut is not None else empty_f,
+            int(t.bits), int(t.tg), int(t.dg), float(t.zero_const))
 
 
 def _kernel_history(kv):
     """(key args, value args, seg) of a QuantKV or SegmentedKV for ``qattn_forward``."""
-    parts = kv.segments
-    return (*_side_args([p.keys for p in parts]), *_side_args([p.values for p in parts]), int(kv.seg))
+    if isinstance(kv, SegmentedKV):
+        return (*_side_args(kv.k, kv.k_parts), *_side_args(kv.v, kv.v_parts), int(kv.seg))
+    k, v = kv.keys, kv.values
+    return (*_side_args(k, [(k.codes, k.scale, k.zero_point)]),
+            *_side_args(v, [(v.codes, v.scale, v.zero_point)]), 0)
 
 
 def _torch_path(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None):

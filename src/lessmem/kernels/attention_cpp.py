@@ -91,20 +91,31 @@ inline void unpack_row(const uint8_t* p, int bits, int D, float* out) {
 struct RowDecoder {
   const QSide& q; int D; int64_t bh;
   std::vector<float> s, z, c; int64_t cur = -1;
+  // the segment of the last token decoded: tokens [s0, s1), this (b, h) stream's bases
+  int64_t s0 = 0, s1 = 0; const uint8_t* cb = nullptr; const at::Half* sb = nullptr;
+  const uint8_t* zb = nullptr;
   RowDecoder(const QSide& q_, int D_, int64_t bh_) : q(q_), D(D_), bh(bh_), s(D_), z(D_), c(D_) {}
+  inline void locate(int64_t t) {  // tokens arrive in increasing order: rarely called
+    const int64_t n = (int64_t)q.T.size();
+    int64_t i = q.seg > 0 ? t / q.seg : 0;
+    if (i >= n) i = n - 1;
+    s0 = i * q.seg; s1 = s0 + q.T[i];
+    cb = q.codes[i] + bh * q.T[i] * q.rb;
+    sb = q.scale[i] + bh * q.R[i] * q.srow;
+    zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
+  }
   template <int DC>
   inline void decode(int64_t t, float* __restrict__ out) {
     const int D = DC > 0 ? DC : this->D;
     float* __restrict__ cp = c.data();
-    int64_t i = q.seg > 0 ? t / q.seg : 0;  // the segment holding token t
-    if (i >= (int64_t)q.T.size()) i = (int64_t)q.T.size() - 1;
-    const int64_t lt = t - i * q.seg, Ti = q.T[i], rows = q.R[i];
-    unpack_row(q.codes[i] + (bh * Ti + lt) * q.rb, q.bits, D, cp);
+    if (t < s0 || t >= s1) locate(t);
+    const int64_t lt = t - s0;
+    unpack_row(cb + lt * q.rb, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
     const int64_t g = lt / q.tg, gg = t / q.tg;  // group within the segment / overall
     const int ng = D / q.dg;
-    const at::Half* sp = q.scale[i] + (bh * rows + g) * q.srow;
-    const uint8_t* zpp = q.has_zp ? q.zp[i] + (bh * rows + g) * q.srow : nullptr;
+    const at::Half* sp = sb + g * q.srow;
+    const uint8_t* zpp = zb ? zb + g * q.srow : nullptr;
     if (q.tg > 1) {
       if (gg != cur) {
         float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
@@ -133,13 +144,21 @@ struct RowDecoder {
 // [B, H, ceil(T_i / tg), D / dg]; all contiguous (checked by the Python caller).
 QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scale,
                 const std::vector<torch::Tensor>& zp, const torch::Tensor& lut, int64_t bits,
-                int64_t tg, int64_t dg, double zc, int D, int64_t seg) {
+                int64_t tg, int64_t dg, double zc, int D, int64_t seg, std::vector<torch::Tensor>& keep) {
   QSide s;
   s.has_zp = !zp.empty();
+  TORCH_CHECK(!codes.empty() && codes.size() == scale.size() && (!s.has_zp || zp.size() == codes.size()),
+              "qattn: each side needs as many scale (and zero point) tensors as code tensors");
+  // a part that is not contiguous (or scales not fp16) is converted here and kept alive
+  auto fit = [&keep](const torch::Tensor& t, c10::ScalarType dt) -> const torch::Tensor& {
+    if (t.scalar_type() == dt && t.is_contiguous()) return t;
+    keep.push_back(t.to(dt).contiguous());
+    return keep.back();
+  };
   for (size_t i = 0; i < codes.size(); ++i) {
-    s.codes.push_back(codes[i].data_ptr<uint8_t>());
-    s.scale.push_back(scale[i].data_ptr<at::Half>());
-    s.zp.push_back(s.has_zp ? zp[i].data_ptr<uint8_t>() : nullptr);
+    s.codes.push_back(fit(codes[i], torch::kUInt8).data_ptr<uint8_t>());
+    s.scale.push_back(fit(scale[i], torch::kFloat16).data_ptr<at::Half>());
+    s.zp.push_back(s.has_zp ? fit(zp[i], torch::kUInt8).data_ptr<uint8_t>() : nullptr);
     s.T.push_back(codes[i].size(2));
     s.R.push_back(scale[i].size(2));
   }
@@ -248,8 +267,10 @@ std::vector<torch::Tensor> qattn_forward(
   int64_t T = 0;
   for (const auto& c : kc) T += c.size(2);
   const int64_t rows = (Hq / Hkv) * Tq;
-  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D, seg);
-  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D, seg);
+  std::vector<torch::Tensor> keep;
+  keep.reserve(3 * (kc.size() + vc.size()));  // no reallocation: QSide holds raw pointers
+  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D, seg, keep);
+  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D, seg, keep);
   const float* qp = q.data_ptr<float>();
   const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
   FpPart F;

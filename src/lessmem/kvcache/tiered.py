@@ -53,10 +53,11 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import replace
 
 import torch
 
-from ..kernels.attention import QuantKV, QuantSide, SegmentedKV
+from ..kernels.attention import QuantKV, SegmentedKV
 from ..offload import (
     DeviceTier,
     PrefetchHandle,
@@ -105,7 +106,7 @@ class TieredKVLayer(QuantizedKVLayer):
         self._pend = (None, 0)  # (the pending dict measured, its bytes): fp_bytes runs per layer per step
         self._tok_bytes = None
         self._sum = (0, 0)  # (len(block_bytes), sum(block_bytes)) cached
-        self._sides = None  # (device, key side, value side) templates for _kv
+        self._sides = None  # a QuantKV whose formats the segments of read_history share
 
     # groups of tokens per row of each part (scales/zero points of per-channel keys)
     def _tg(self, name: str) -> int:
@@ -153,29 +154,31 @@ class TieredKVLayer(QuantizedKVLayer):
         return self._tok_bytes
 
     def _kv(self, h: dict) -> QuantKV:
-        if self._sides is None or self._sides[0] != h["k_codes"].device:  # per layer: format constants
-            D = self.head_dim
-            k = _side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D)
-            v = _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D)
-            self._sides = (h["k_codes"].device, k, v)
-        _, k, v = self._sides  # the same formats with this part's tensors (one per block and step)
-        return QuantKV(
-            QuantSide(h["k_codes"], h["k_scale"], h.get("k_zero_point") if k.zero_point is not None else None,
-                      k.lut, k.bits, k.tg, k.dg, k.zero_const),
-            QuantSide(h["v_codes"], h["v_scale"], h.get("v_zero_point") if v.zero_point is not None else None,
-                      v.lut, v.bits, v.tg, v.dg, v.zero_const))
+        D = self.head_dim
+        return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
+                       _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
 
     def read_history(self) -> QuantKV | SegmentedKV | None:
         parts = self.owner._history_for(self)
         if not parts:
             return None
         bt = self.owner.block_tokens
-        if len(parts) > 1 and bt % self.kspec.group_shape(self.head_dim)[0] == 0 \
-                and bt % self.vspec.group_shape(self.head_dim)[0] == 0 \
-                and parts[0]["k_codes"].device.type == "cpu":
-            # the blocks as they lie (device tier) or arrived (lower tiers): read in place
-            return SegmentedKV(tuple(self._kv(p) for p in parts), seg=bt)
-        return self._kv(_join(parts))
+        if len(parts) == 1 or parts[0]["k_codes"].device.type != "cpu" \
+                or bt % self.kspec.group_shape(self.head_dim)[0] or bt % self.vspec.group_shape(self.head_dim)[0]:
+            return self._kv(_join(parts))
+        # the blocks as they lie (device tier) or arrived (lower tiers): read in place
+        if self._sides is None:  # the formats (bits, groups, level table) of this layer, no data
+            kv, e = self._kv(parts[0]), torch.empty(0, dtype=torch.uint8)
+
+            def fmt(x):
+                return replace(x, codes=e, scale=e, zero_point=None if x.zero_point is None else e)
+            self._sides = QuantKV(fmt(kv.keys), fmt(kv.values))
+        t = self._sides
+        kz, vz = t.keys.zero_point is not None, t.values.zero_point is not None
+        return SegmentedKV(t.keys, t.values,
+                           tuple((p["k_codes"], p["k_scale"], p["k_zero_point"] if kz else None) for p in parts),
+                           tuple((p["v_codes"], p["v_scale"], p["v_zero_point"] if vz else None) for p in parts),
+                           bt)
 
     def _pending_bytes(self) -> int:
         p = self.pending
@@ -496,7 +499,7 @@ class TieredKVCache(KVCache):
         # held beside the device tier: the blocks read from lower tiers, and any block the
         # rebalance just demoted that this read still references
         h0 = self._hidden_blocks(layer)
-        self._staged = sum(b for k, b in zip(layer.block_keys[h0:], layer.block_bytes[h0:])
+        self._staged = sum(b for k, b in zip(layer.block_keys[h0:], layer.block_bytes[h0:], strict=True)
                            if not self.device_tier.contains(k))
         if self.prefetch and len(self.tiered) > 1:
             nxt = self.tiered[(self.tiered.index(layer) + 1) % len(self.tiered)]
