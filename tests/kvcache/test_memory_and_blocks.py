@@ -103,3 +103,7 @@ def test_block_bytes_round_trip(llama):
     assert again.start == block.start == 4 and again.n_tokens == 64
     assert again.nbytes == block.nbytes > 0
     assert all(torch.equal(again.tensors()[k], v) for k, v in block.tensors().items())
+    blob = bytearray(block.to_bytes())  # the offload tiers' checksummed format: a flipped byte is caught
+    blob[-1] ^= 0xFF
+    with pytest.raises(ValueError, match="checksum"):
+        KVBlock.from_bytes(bytes(blob))

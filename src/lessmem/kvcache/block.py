@@ -3,7 +3,8 @@
 A block is the unit that leaves the full-precision window (tokens are quantized once,
 when their block is written) and the unit a tiered cache moves between memory, disk
 and remote stores. It is a small self-contained object: a dict of tensors
-(``tensors()``), ``nbytes``, and ``to_bytes()/from_bytes()`` (safetensors).
+(``tensors()``), ``nbytes``, and ``to_bytes()/from_bytes()`` — the same checksummed
+format the offload tiers store (:mod:`lessmem.offload.serialize`).
 
 Example:
     >>> import torch
@@ -15,12 +16,9 @@ Example:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
-
-# names of the tensors a block may hold (scale/zero point rows are per token group)
 
 
 @dataclass(frozen=True)
@@ -39,16 +37,14 @@ class KVBlock:
         return sum(t.numel() * t.element_size() for t in self.tensors_.values())
 
     def to_bytes(self) -> bytes:
-        from safetensors.torch import save
+        from ..offload.serialize import pack_block
 
-        meta = {"start": str(self.start), "n_tokens": str(self.n_tokens)}
-        return save({k: v.contiguous() for k, v in self.tensors_.items()}, metadata=meta)
+        return pack_block(self.tensors_, meta={"start": self.start, "n_tokens": self.n_tokens})
 
     @staticmethod
     def from_bytes(blob: bytes) -> KVBlock:
-        from safetensors.torch import load
+        """Raises ``CorruptBlockError`` (a ValueError) when the bytes do not verify."""
+        from ..offload.serialize import unpack_block
 
-        tensors = load(blob)
-        n = int.from_bytes(blob[:8], "little")
-        meta = json.loads(blob[8:8 + n]).get("__metadata__", {})
+        tensors, meta = unpack_block(blob)
         return KVBlock(int(meta["start"]), int(meta["n_tokens"]), tensors)
