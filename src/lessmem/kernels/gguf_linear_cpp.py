@@ -46,13 +46,13 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <vector>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 // ~1M weights: below this one thread decodes faster than a parallel region wakes up.
 #define PAR_MIN_WORK 1048576
-#define MB 16  // input rows per pass over a weight row
 
 static inline float h2f(const uint8_t* p) {
   uint16_t b; std::memcpy(&b, p, 2);
@@ -258,41 +258,70 @@ template <int T> static inline V16 weights16(const uint8_t* q, const float* a, c
 }
 
 // ---------------------------------------------------------------- kernels
-// y[m, n] = sum_k x[m, k] * w[n, k]; rows n split across threads, each block decoded
-// once to codes and factors (L1), expanded 16 weights at a time in registers, used for
-// up to MB input rows (two accumulators per row hide the multiply-add latency).
+// y[m, n] = sum_k x[m, k] * w[n, k]; rows n split across threads. The input rows go in
+// chunks of NM = 8, 4, 2 or 1 (compile-time, so the accumulators stay in registers); per
+// chunk and weight row each block is decoded once to codes and factors (L1) and expanded
+// 16 weights at a time in registers, then used for the chunk's NM rows. One or two rows
+// get two accumulators each to hide the multiply-add latency.
+// xb: the chunk's slices of x for one block, [NM, QK] (see fused_impl).
 template <int T, int NM>
-static inline void row_dot(const uint8_t* row, const float* x, int64_t K, int64_t nb, int mb, float* out) {
-  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
-  const int rows = NM > 0 ? NM : mb;
+static inline void row_dot(const uint8_t* row, const float* xp, int64_t nb, float* out) {
+  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16, NA = NM >= 4 ? 1 : 2;
   alignas(64) uint8_t q[QK];
   float a[NG], c[NG];
-  V16 acc[NM > 0 ? NM : MB][2];
-  for (int m = 0; m < rows; ++m) acc[m][0] = acc[m][1] = vzero();
+  V16 acc[NM][NA];
+  for (int m = 0; m < NM; ++m)
+    for (int i = 0; i < NA; ++i) acc[m][i] = vzero();
   for (int64_t ib = 0; ib < nb; ++ib) {
     decode<T>(row + ib * TS, q, a, c);
-    const float* xb = x + ib * QK;
+    const float* xb = xp + ib * NM * QK;
     for (int g = 0; g < NG; ++g) {
       const V16 w = weights16<T>(q, a, c, g);
-      for (int m = 0; m < rows; ++m) acc[m][g & 1] = vfma(vload(xb + m * K + 16 * g), w, acc[m][g & 1]);
+      for (int m = 0; m < NM; ++m) acc[m][g % NA] = vfma(vload(xb + m * QK + 16 * g), w, acc[m][g % NA]);
     }
   }
-  for (int m = 0; m < rows; ++m) out[m] = vsum(vadd(acc[m][0], acc[m][1]));
+  for (int m = 0; m < NM; ++m) {
+    V16 t = acc[m][0];
+    for (int i = 1; i < NA; ++i) t = vadd(t, acc[m][i]);
+    out[m] = vsum(t);
+  }
 }
 
 template <int T>
 static void fused_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS;
   const int64_t nb = K / QK, rb = nb * TS;
+  // chunks of input rows: 8 at a time, then 4, 2, 1 for the rest
+  std::vector<std::pair<int64_t, int>> chunks;
+  for (int64_t m0 = 0; m0 < M;) {
+    const int size = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
+    chunks.emplace_back(m0, size);
+    m0 += size;
+  }
+  // x re-laid per chunk as [block][row][QK]: the rows' slices of one block are contiguous
+  // (rows K floats apart share L1 sets when K is a multiple of 1024: 4x slower at 8 rows)
+  std::vector<float> xp(M > 1 ? M * K : 0);
+  if (M > 1)
+    for (const auto& ch : chunks)
+      for (int64_t ib = 0; ib < nb; ++ib)
+        for (int m = 0; m < ch.second; ++m)
+          std::memcpy(&xp[ch.first * K + (ib * ch.second + m) * QK], x + (ch.first + m) * K + ib * QK,
+                      QK * sizeof(float));
+  const float* xs = M > 1 ? xp.data() : x;
   // dynamic chunks of rows: on a shared machine a descheduled thread does not hold up the call
   #pragma omp parallel for schedule(dynamic, 16) if(N * K * M >= PAR_MIN_WORK)
   for (int64_t n = 0; n < N; ++n) {
-    float out[MB];
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      const int mb = (int)std::min<int64_t>(MB, M - m0);
-      if (mb == 1) row_dot<T, 1>(w + n * rb, x + m0 * K, K, nb, 1, out);
-      else row_dot<T, 0>(w + n * rb, x + m0 * K, K, nb, mb, out);
-      for (int m = 0; m < mb; ++m) y[(m0 + m) * N + n] = out[m];
+    float out[8];
+    for (const auto& ch : chunks) {
+      const uint8_t* row = w + n * rb;
+      const float* xc = xs + ch.first * K;
+      switch (ch.second) {
+        case 8: row_dot<T, 8>(row, xc, nb, out); break;
+        case 4: row_dot<T, 4>(row, xc, nb, out); break;
+        case 2: row_dot<T, 2>(row, xc, nb, out); break;
+        default: row_dot<T, 1>(row, xc, nb, out);
+      }
+      for (int m = 0; m < ch.second; ++m) y[(ch.first + m) * N + n] = out[m];
     }
   }
 }
