@@ -2,21 +2,29 @@
 
 The weight ``W [N, K]`` stays in the bytes a ``.gguf`` file stores (uint8
 ``[N, K / block_size * type_size]``), for all ten block types of ``formats.gguf``
-(Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K). Per output row ``n`` (rows split
-across threads with OpenMP):
+(Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K). Per output row ``n`` (rows handed
+to threads by OpenMP in dynamic chunks of 16) and per chunk of up to 8 input rows:
 
-    for each block b of row n:        c[0:QK] = decode(block)      (QK = 32 or 256 floats, L1)
-        for each input row m:         acc[m][j] += x[m, b·QK + j] · c[j]   (j mod 32 lanes)
-    y[m, n] = Σ_j acc[m][j]
+    for each block b of row n:
+        q[0:QK], a[g], c[g] = decode(block)          byte ops only: codes, and per group g
+                                                     of 16 the factors of w = a·q (+ c)
+        for each group g of 16:  w16 = expand(q, a, c, g)     (16 floats, one register)
+            for each input row m:  acc[m] += x[m, b·QK + 16g : +16] · w16     (FMA)
+    y[m, n] = Σ lanes acc[m] (+ bias[n])
 
-so the float matrix is never materialised: one block's floats live in a stack buffer.
-The block decoders do the float32 operations of ``formats.gguf.dequantize_gguf`` in the
-same order (``d·(q − 8)``, ``d·q + m``, ``(d·sc)·q − (dmin·m)`` …, built with
-``-ffp-contract=off`` so no multiply-add is fused), hence decode to bit-identical floats;
-``gguf_dequantize`` exposes them (used above ``FUSED_MAX_ROWS`` rows: decode once, BLAS).
-The dot products use explicit fused multiply-adds, so ``y`` equals the float64 reference
-to float32 rounding (relative error ~1e-6), not bit for bit. Activations stay float32
-(no int8 quantization of ``x`` as llama.cpp does).
+so the float matrix is never materialised, not even one row of it. The expansion does the
+float32 operations of ``formats.gguf.dequantize_gguf`` in the same order (``d·(q − 8)``,
+``d·q + m``, ``(d·sc)·q − (dmin·m)`` …, built with ``-ffp-contract=off`` so no multiply-add
+is fused), hence bit-identical weights; ``gguf_dequantize`` writes them out (used above
+``FUSED_MAX_ROWS`` rows: decode once, BLAS). The dot products use fused multiply-adds in
+a different order than the reference, so ``y`` equals the float64 reference to float32
+rounding (relative error ~1e-7), not bit for bit. Activations stay float32 (no int8
+quantization of ``x`` as llama.cpp does). AVX-512 and AVX2 use intrinsics, other CPUs a
+plain loop of 16.
+
+Layers under ~1M weights run on one thread. On a machine with more runnable processes than
+cores, any OpenMP region waits at its closing barrier for a descheduled thread; measure
+speed on a quiet machine (``benchmarks/bench_gguf_linear.py`` records the load average).
 
 When no compiler is available the functions fall back to ``gguf_linear_reference``.
 
