@@ -356,7 +356,7 @@ def markdown_table(res: dict) -> str:
         lines.append(f"| {r['row']} | {r['bpw_block_linears']:.2f} | {r['bpw_all_linears']:.2f} / "
                      f"{r.get('bpw_all_linears_file', r['bpw_all_linears']):.2f} | "
                      f"{r['disk_bytes'] / 1e6:.1f} MB | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} | "
-                     f"{r['kld']:.4f} | {r['decode_ratio']:.2f}x | "
+                     f"{r['kld']:.3g} | {r['decode_ratio']:.2f}x | "
                      + ", ".join(f"{k} {v}" for k, v in r["layer_classes"].items()) + " |")
     return "\n".join(lines)
 
