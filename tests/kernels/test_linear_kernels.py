@@ -156,6 +156,8 @@ def test_lowbit_bad_args():
         linear_cpp.lowbit_linear(x, codes, 5, s, z, 32)
     with pytest.raises(ValueError, match="group_size=48.*multiple of 32"):
         linear_cpp.lowbit_linear(torch.randn(1, 96), codes, 4, s, z, 48)
+    with pytest.raises(ValueError, match="group_size=65536.*at most 32768"):  # int32 lane sums
+        linear_cpp.lowbit_linear(torch.randn(1, 65536), codes, 4, s, z, 65536)
     with pytest.raises(ValueError, match="scale dtype torch.float32; allowed: torch.float16"):
         linear_cpp.lowbit_linear(x, codes, 4, s.float(), z, 32)
     with pytest.raises(ValueError, match="zero dtype torch.float32; allowed: torch.uint8"):

@@ -13,13 +13,13 @@ scales are read as stored (fp16), zero points as uint8:
 ``lowbit_linear`` runs on integer dot products. Activations are rounded per (row, group)
 to 16-bit fixed point, ``x̂ = d·q`` with ``d = max|x_g| / 32258`` and ``q = round(x / d)``
 (so ``|x − x̂| ≤ d/2``: relative error ≤ 1.55e-5 of the group's largest activation;
-``linear_reference.quantize_act16`` is the twin), and split ``q = 254·hi + lo`` into two
-int8 halves. Codes are decoded 32 at a time into bytes (2-bit: one 8-byte broadcast, a
+``linear_reference.quantize_act16`` is the twin), and split ``q = 256·hi + lo`` into two
+int8 halves (hi in [−126, 126], lo in [−128, 127]). Codes are decoded 32 at a time into bytes (2-bit: one 8-byte broadcast, a
 per-qword shift by 0/2/4/6, a mask; 4-bit: one 16-byte broadcast, shift 0/4; 3-bit: a byte
 shuffle, then AVX-512 VBMI multishift or, without it, shifts and masks), and multiplied
 with the halves by ``dpbusd`` (AVX-512 VNNI) or ``maddubs`` + ``madd`` (AVX2) into int32:
 
-    y[m, n] = Σ_g s[n, g] · d[m, g] · (254·Σ_{k∈g} u·hi + Σ_{k∈g} u·lo − z[n, g] · Σ_{k∈g} q)
+    y[m, n] = Σ_g s[n, g] · d[m, g] · (256·Σ_{k∈g} u·hi + Σ_{k∈g} u·lo − z[n, g] · Σ_{k∈g} q)
 
 The int8 halves are laid out per 32-code block in the order the decode produces, so
 the hot loop has no shuffles; scales are applied once per group in float. Up to 4
@@ -153,8 +153,8 @@ torch::Tensor w8a8_linear(torch::Tensor xq, torch::Tensor sx, torch::Tensor w, t
 
 // ---- lowbit ---------------------------------------------------------------------------
 // Activations: per (row m, group g) 16-bit fixed point, q = round(x / d), d = amax_g / 32258,
-// split q = 254·hi + lo with hi, lo in [-127, 127] (int8), so u8 codes × s8 halves run on
-// dpbusd / maddubs: Σ_k u·x̂ = d · (254 · Σ u·hi + Σ u·lo). The int8 halves are stored per
+// split q = 256·hi + lo with hi in [-126, 126], lo in [-128, 127] (int8), so u8 codes × s8
+// halves run on dpbusd / maddubs: Σ_k u·x̂ = d · (256 · Σ u·hi + Σ u·lo). The int8 halves are stored per
 // 32-code block in the byte order decode32 produces (kperm), so no shuffle in the hot loop.
 // kperm(pos): which code of the block sits at byte pos of the decoded vector.
 template <int BITS>
@@ -195,9 +195,9 @@ static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* x
         int8_t* dst = xq + m * 2 * K + 2 * (g * gs + b0);
         for (int p = 0; p < 32; ++p) {
           const int32_t v = q[b0 + perm[p]];
-          const int32_t hi = (v + 127 + 254 * 128) / 254 - 128;   // floor((v + 127) / 254)
-          dst[p] = (int8_t)hi;
-          dst[32 + p] = (int8_t)(v - 254 * hi);
+          const int32_t hi = ((v + 128 + 32768) >> 8) - 128;      // floor((v + 128) / 256)
+          dst[p] = (int8_t)hi;                                    // in [-126, 126]
+          dst[32 + p] = (int8_t)(v - 256 * hi);                   // in [-128, 127]
         }
       }
     }
@@ -244,19 +244,20 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
-// One weight row (codes b) against MT (1..4) activation rows, f [MT, G] (stride G) the
-// per-group factors s[n, g] · d[r, g]: out[r] = Σ_g f[r, g] · (254·Σ u·hi + Σ u·lo).
-template <int BITS, int MT>
+// One weight row (codes b) against MT (1..4) activation rows; f [4][G] the per-group factors
+// s[n, g] · d[r, g]: out[r] = Σ_g f[r, g] · (256·Σ u·hi + Σ u·lo). NBT > 0 fixes the blocks
+// per group at compile time (unrolled: the common 64/128-wide groups at batch 1).
+template <int BITS, int MT, int NBT>
 static inline void lowbit_row(const uint8_t* b, const float* f, const int8_t* xq, int64_t K,
                               int64_t G, int64_t gs, float* out) {
   constexpr int BB = 4 * BITS;                     // bytes per 32-code block
-  const int64_t NB = gs / 32;
+  const int64_t NB = NBT > 0 ? NBT : gs / 32;
 #ifdef LM_AVX2
-  __m256 th[MT], tl[MT];
-  for (int r = 0; r < MT; ++r) { th[r] = _mm256_setzero_ps(); tl[r] = _mm256_setzero_ps(); }
+  __m256 tot[MT];
+  for (int r = 0; r < MT; ++r) tot[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* bg = b + g * NB * BB;
-    const int8_t* xg = xq + 2 * g * gs;
+    const int8_t* xg = xq + 2 * g * NB * 32;
     __m256i ah[MT], al[MT];
     for (int r = 0; r < MT; ++r) { ah[r] = _mm256_setzero_si256(); al[r] = _mm256_setzero_si256(); }
     for (int64_t j = 0; j < NB; ++j) {
@@ -268,22 +269,20 @@ static inline void lowbit_row(const uint8_t* b, const float* f, const int8_t* xq
       }
     }
     for (int r = 0; r < MT; ++r) {
-      const __m256 vf = _mm256_broadcast_ss(f + r * G + g);
-      th[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ah[r]), vf, th[r]);
-      tl[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(al[r]), vf, tl[r]);
+      // 256·Σu·hi + Σu·lo in int32: |lane| ≤ 4·15·32767·gs/32, no overflow below gs ≈ 35000
+      const __m256i a = _mm256_add_epi32(_mm256_slli_epi32(ah[r], 8), al[r]);
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_broadcast_ss(f + r * G + g), tot[r]);
     }
   }
   for (int r = 0; r < MT; ++r) {
-    const __m256 t = _mm256_fmadd_ps(th[r], _mm256_set1_ps(254.f), tl[r]);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     out[r] = _mm_cvtss_f32(h);
   }
 #else
   constexpr uint32_t MASK = (1u << BITS) - 1;
-  float tot[MT];
-  for (int r = 0; r < MT; ++r) tot[r] = 0.f;
+  for (int r = 0; r < MT; ++r) out[r] = 0.f;
   for (int64_t g = 0; g < G; ++g) {
     int32_t ah[MT], al[MT];
     for (int r = 0; r < MT; ++r) { ah[r] = 0; al[r] = 0; }
@@ -294,10 +293,17 @@ static inline void lowbit_row(const uint8_t* b, const float* f, const int8_t* xq
       const int64_t o = 2 * (k - k % 32) + k % 32;  // natural order: hi at o, lo at o + 32
       for (int r = 0; r < MT; ++r) { ah[r] += u * xq[r * 2 * K + o]; al[r] += u * xq[r * 2 * K + o + 32]; }
     }
-    for (int r = 0; r < MT; ++r) tot[r] += f[r * G + g] * (254.f * (float)ah[r] + (float)al[r]);
+    for (int r = 0; r < MT; ++r) out[r] += f[r * G + g] * (256.f * (float)ah[r] + (float)al[r]);
   }
-  for (int r = 0; r < MT; ++r) out[r] = tot[r];
 #endif
+}
+
+template <int BITS, int MT>
+static inline void lowbit_tile(const uint8_t* b, const float* f, const int8_t* xq, int64_t K,
+                               int64_t G, int64_t gs, float* out) {
+  if (MT == 1 && gs == 64) lowbit_row<BITS, MT, 2>(b, f, xq, K, G, gs, out);
+  else if (MT == 1 && gs == 128) lowbit_row<BITS, MT, 4>(b, f, xq, K, G, gs, out);
+  else lowbit_row<BITS, MT, 0>(b, f, xq, K, G, gs, out);
 }
 
 template <int BITS>
@@ -331,10 +337,9 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, c
 #endif
       for (int64_t g = g0; g < G; ++g) sf[g] = h2f(s[g]);
       const float bn = bias ? bias[n] : 0.f;
-      float out[4];
+      float out[4], zt[4];
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mt = std::min<int64_t>(4, M - m0);
-        float zt[4];
         for (int64_t r = 0; r < mt; ++r) {          // f = s·d; zero term Σ_g s·z·d·Σq
           const float* d = dl + (m0 + r) * G;
           const float* a = al + (m0 + r) * G;
@@ -361,10 +366,10 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, c
         }
         const int8_t* xm = xq + m0 * 2 * K;
         switch (mt) {
-          case 4: lowbit_row<BITS, 4>(b, f.data(), xm, K, G, gs, out); break;
-          case 3: lowbit_row<BITS, 3>(b, f.data(), xm, K, G, gs, out); break;
-          case 2: lowbit_row<BITS, 2>(b, f.data(), xm, K, G, gs, out); break;
-          default: lowbit_row<BITS, 1>(b, f.data(), xm, K, G, gs, out); break;
+          case 4: lowbit_tile<BITS, 4>(b, f.data(), xm, K, G, gs, out); break;
+          case 3: lowbit_tile<BITS, 3>(b, f.data(), xm, K, G, gs, out); break;
+          case 2: lowbit_tile<BITS, 2>(b, f.data(), xm, K, G, gs, out); break;
+          default: lowbit_tile<BITS, 1>(b, f.data(), xm, K, G, gs, out); break;
         }
         for (int64_t r = 0; r < mt; ++r) yp[(m0 + r) * N + n] = out[r] - zt[r] + bn;
       }
@@ -455,8 +460,9 @@ def w8a8_linear(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torc
 
 
 def lowbit_supported(in_features: int, group_size: int) -> bool:
-    """Whether ``lowbit_linear`` takes this shape (whole 32-code blocks in every group)."""
-    return group_size % 32 == 0 and in_features % group_size == 0
+    """Whether ``lowbit_linear`` takes this shape: whole 32-code blocks in every group, and
+    groups of at most 32768 (its int32 lane sums cannot overflow below ~35000)."""
+    return group_size % 32 == 0 and group_size <= 32768 and in_features % group_size == 0
 
 
 def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
@@ -472,7 +478,7 @@ def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.
     n, k = scale.shape[0], x.shape[-1]
     if not lowbit_supported(k, group_size):
         raise ValueError(f"in_features={k} and group_size={group_size}: allowed are a group_size "
-                         "that is a multiple of 32 and divides in_features")
+                         "that is a multiple of 32, at most 32768, and divides in_features")
     _check_dtype("scale", scale, torch.float16)
     _check_dtype("zero", zero, torch.uint8)
     if tuple(scale.shape) != (n, k // group_size) or scale.shape != zero.shape:
