@@ -55,7 +55,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <algorithm>
 #include <vector>
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -153,12 +153,24 @@ struct BitTable {
 };
 static const BitTable BITS5;
 
-static inline void high5(const uint8_t* qh, uint8_t* q) {  // q[8i + bit] |= 16 * bit(qh[i])
-  for (int i = 0; i < 4; ++i) {
+// nibbles and bit 4 together; with SSE2 in two 16-byte registers, so the 16-byte loads
+// of the codes that follow are forwarded from the stores (8-byte stores would stall them)
+static inline void nibbles_high5(const uint8_t* qs, const uint8_t* qh, uint8_t* q) {
+#if defined(__SSE2__)
+  const __m128i m4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i*)qs);
+  const __m128i lo = _mm_or_si128(_mm_and_si128(v, m4), _mm_set_epi64x((long long)BITS5.t[qh[1]], (long long)BITS5.t[qh[0]]));
+  const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
+                                  _mm_set_epi64x((long long)BITS5.t[qh[3]], (long long)BITS5.t[qh[2]]));
+  _mm_storeu_si128((__m128i*)q, lo);
+  _mm_storeu_si128((__m128i*)(q + 16), hi);
+#else
+  nibbles32(qs, q);
+  for (int i = 0; i < 4; ++i) {  // q[8i + bit] |= 16 * bit(qh[i])
     uint64_t v; std::memcpy(&v, q + 8 * i, 8);
     v |= BITS5.t[qh[i]];
     std::memcpy(q + 8 * i, &v, 8);
   }
+#endif
 }
 
 template <int T> static inline void decode(const uint8_t* b, uint8_t* q, float* a, float* c);
@@ -173,11 +185,11 @@ template <> inline void decode<Q4_1>(const uint8_t* b, uint8_t* q, float* a, flo
 }
 // Q5_0: d, qh (bit j of a little-endian u32 = bit 4 of element j), qs[16]. w = d*(q-16)
 template <> inline void decode<Q5_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
-  nibbles32(b + 6, q); high5(b + 2, q); a[0] = a[1] = h2f(b);
+  nibbles_high5(b + 6, b + 2, q); a[0] = a[1] = h2f(b);
 }
 // Q5_1: d, m, qh, qs[16]. w = d*q + m
 template <> inline void decode<Q5_1>(const uint8_t* b, uint8_t* q, float* a, float* c) {
-  nibbles32(b + 8, q); high5(b + 4, q); a[0] = a[1] = h2f(b); c[0] = c[1] = h2f(b + 2);
+  nibbles_high5(b + 8, b + 4, q); a[0] = a[1] = h2f(b); c[0] = c[1] = h2f(b + 2);
 }
 // Q8_0: d, qs[32] int8. w = q*d; codes held as q ^ 0x80 = q + 128, OFF 128
 template <> inline void decode<Q8_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
