@@ -59,6 +59,24 @@ def test_fused_matches_reference(backend, t, m):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("t", ["q4_0", "q5_1", "q4_k", "q6_k"])
+def test_threaded_large_layers(t):
+    """Over ~1M weights the rows are split across threads (the pool): same results."""
+    n, k = 613, 2048
+    raw = _raw(t, n, k, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        for m in (1, 3, 9):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            ref = gguf_linear_ref(x, raw, t, n)
+            torch.testing.assert_close(kern.gguf_linear(x, raw, t, n), ref, rtol=1e-5,
+                                       atol=1e-5 * ref.abs().max().item())
+        assert torch.equal(kern.gguf_dequantize(raw, t, n, k), dequantize_gguf(raw, t, (n, k)))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("t", TYPES)
 def test_decoders_bit_identical(backend, t):
     n, k = 6, 512

@@ -3,7 +3,8 @@
 The weight ``W [N, K]`` stays in the bytes a ``.gguf`` file stores (uint8
 ``[N, K / block_size * type_size]``), for all ten block types of ``formats.gguf``
 (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K). Per output row ``n`` (rows handed
-to threads by OpenMP in dynamic chunks of 16) and per chunk of up to 8 input rows:
+out in chunks of 16 to ``torch.get_num_threads()`` threads) and per chunk of up to 8 input
+rows:
 
     for each block b of row n:
         q[0:QK], a[g], c[g] = decode(block)          byte ops only: codes, and per group g
@@ -22,9 +23,12 @@ rounding (relative error ~1e-7), not bit for bit. Activations stay float32 (no i
 quantization of ``x`` as llama.cpp does). AVX-512 and AVX2 use intrinsics, other CPUs a
 plain loop of 16.
 
-Layers under ~1M weights run on one thread. On a machine with more runnable processes than
-cores, any OpenMP region waits at its closing barrier for a descheduled thread; measure
-speed on a quiet machine (``benchmarks/bench_gguf_linear.py`` records the load average).
+Layers under ~1M weights run on one thread. Larger ones use a small thread pool rather
+than OpenMP: an OpenMP region ends with a barrier on every thread, so on a machine with
+more runnable processes than cores one descheduled thread made a 1.3 ms call take 10-16 ms;
+here the caller waits only for chunks a helper has claimed, so at worst it runs at
+one-thread speed. Measure speed-ups on a quiet machine (``benchmarks/bench_gguf_linear.py``
+records the load average).
 
 When no compiler is available the functions fall back to ``gguf_linear_reference``.
 
@@ -54,12 +58,19 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
+#include <ATen/Parallel.h>
 #if defined(__F16C__) || defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-// ~1M weights: below this one thread decodes faster than a parallel region wakes up.
 #define PAR_MIN_WORK 1048576
 
 static inline float h2f(const uint8_t* p) {
@@ -277,6 +288,98 @@ template <int T> static inline V16 weights16(const uint8_t* q, const float* a, c
   return vmul(vset(a[g]), vsub(v, vset((float)Traits<T>::OFF)));
 }
 
+// ---------------------------------------------------------------- thread pool
+// parallel_chunks(n, chunk, f): f(begin, end) over [0, n) in chunks, run by the caller and
+// by helper threads that join when they are running. Unlike an OpenMP region there is no
+// closing barrier on every thread: the caller returns once every *claimed* chunk is done,
+// so a helper the OS has not scheduled (a machine with more runnable jobs than cores)
+// cannot hold a call up; the caller simply does its share. Helpers spin ~50 us after a job
+// (decode calls come back to back), then sleep. Threads: torch.get_num_threads().
+struct Job {
+  std::function<void(int64_t, int64_t)> fn;
+  int64_t n = 0, chunk = 1, total = 0;
+  int helpers = 0;  // how many helpers may join
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+class Pool {
+ public:
+  void run(int64_t n, int64_t chunk, int threads, std::function<void(int64_t, int64_t)> fn) {
+    auto job = std::make_shared<Job>();
+    job->fn = std::move(fn); job->n = n; job->chunk = chunk; job->total = (n + chunk - 1) / chunk;
+    job->helpers = threads - 1;
+    grow(threads - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = job;
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    work(*job);
+    while (job->done.load(std::memory_order_acquire) < job->total) _yield();
+    std::lock_guard<std::mutex> lk(mu_);
+    if (job_ == job) job_.reset();
+  }
+
+ private:
+  static void _yield() {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+    std::this_thread::yield();
+  }
+  static void work(Job& job) {
+    for (;;) {
+      const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= job.total) return;
+      job.fn(c * job.chunk, std::min(job.n, (c + 1) * job.chunk));
+      job.done.fetch_add(1, std::memory_order_release);
+    }
+  }
+  void grow(int want) {
+    std::lock_guard<std::mutex> lk(mu_);
+    while ((int)started_ < want) {
+      const int id = started_++;
+      std::thread([this, id] { helper(id); }).detach();
+    }
+  }
+  void helper(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      // spin a little for the next job, then sleep until one is posted
+      const auto t0 = std::chrono::steady_clock::now();
+      while (gen_.load(std::memory_order_acquire) == seen &&
+             std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(50)) {
+#if defined(__SSE2__)
+        _mm_pause();
+#endif
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        seen = gen_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      if (job && id < job->helpers) work(*job);  // a job already finished: nothing left to claim
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::shared_ptr<Job> job_;
+  int started_ = 0;
+};
+
+static Pool* POOL = new Pool();  // never destroyed: helpers are detached and live until exit
+
+// ~1M weights: below this one thread decodes faster than helpers wake up.
+template <class F> static inline void parallel_chunks(int64_t n, int64_t chunk, int64_t work, F f) {
+  const int threads = std::max(1, at::get_num_threads());
+  if (threads == 1 || work < PAR_MIN_WORK || n <= chunk) { f(0, n); return; }
+  POOL->run(n, chunk, threads, f);
+}
+
 // ---------------------------------------------------------------- kernels
 // y[m, n] = sum_k x[m, k] * w[n, k]; rows n split across threads. The input rows go in
 // chunks of NM = 8, 4, 2 or 1 (compile-time, so the accumulators stay in registers); per
@@ -328,35 +431,35 @@ static void fused_impl(const float* x, const uint8_t* w, float* y, int64_t M, in
           std::memcpy(&xp[ch.first * K + (ib * ch.second + m) * QK], x + (ch.first + m) * K + ib * QK,
                       QK * sizeof(float));
   const float* xs = M > 1 ? xp.data() : x;
-  // dynamic chunks of rows: on a shared machine a descheduled thread does not hold up the call
-  #pragma omp parallel for schedule(dynamic, 16) if(N * K * M >= PAR_MIN_WORK)
-  for (int64_t n = 0; n < N; ++n) {
+  parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) {
     float out[8];
-    for (const auto& ch : chunks) {
-      const uint8_t* row = w + n * rb;
-      const float* xc = xs + ch.first * K;
-      switch (ch.second) {
-        case 8: row_dot<T, 8>(row, xc, nb, out); break;
-        case 4: row_dot<T, 4>(row, xc, nb, out); break;
-        case 2: row_dot<T, 2>(row, xc, nb, out); break;
-        default: row_dot<T, 1>(row, xc, nb, out);
+    for (int64_t n = n0; n < n1; ++n)
+      for (const auto& ch : chunks) {
+        const uint8_t* row = w + n * rb;
+        const float* xc = xs + ch.first * K;
+        switch (ch.second) {
+          case 8: row_dot<T, 8>(row, xc, nb, out); break;
+          case 4: row_dot<T, 4>(row, xc, nb, out); break;
+          case 2: row_dot<T, 2>(row, xc, nb, out); break;
+          default: row_dot<T, 1>(row, xc, nb, out);
+        }
+        for (int m = 0; m < ch.second; ++m) y[(ch.first + m) * N + n] = out[m];
       }
-      for (int m = 0; m < ch.second; ++m) y[(ch.first + m) * N + n] = out[m];
-    }
-  }
+  });
 }
 
 template <int T>
 static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
   const int64_t nb = K / QK;
-  #pragma omp parallel for schedule(static) if(N * K >= PAR_MIN_WORK)
-  for (int64_t i = 0; i < N * nb; ++i) {
+  parallel_chunks(N * nb, 256, N * K, [&](int64_t i0, int64_t i1) {
     alignas(64) uint8_t q[QK];
     float a[NG], c[NG];
-    decode<T>(w + i * TS, q, a, c);
-    for (int g = 0; g < NG; ++g) vstore(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
-  }
+    for (int64_t i = i0; i < i1; ++i) {
+      decode<T>(w + i * TS, q, a, c);
+      for (int g = 0; g < NG; ++g) vstore(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
+    }
+  });
 }
 
 #define DISPATCH(F, ...) switch (type) { \
