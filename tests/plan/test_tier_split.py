@@ -16,8 +16,10 @@ from lessmem.plan.tierspec import parse_offload_spec
 from lessmem.plan.units import parse_bytes
 
 # preset, block_size, window, block_tokens, budget, prefetch, tokens, prefill chunk, decode tokens
+# (a negative count: that many tokens in chunks of 8, as lessmem eval feeds its windows)
 CASES = [
     ("int4", 16, 16, 32, 40_000, True, 300, 64, 40),    # chunked prefill, then decoding
+    ("int4", 16, 16, 32, 30_000, True, 320, 80, -240),  # eval's protocol: a quarter, then chunks of 8
     ("int4", 16, 16, 16, 90_000, False, 300, 16, 0),    # the device keeps many blocks
     ("kivi-2", 32, 32, 64, 20_000, True, 260, 230, 30),  # one-shot prefill (as generate does)
     ("best-4", 64, 96, 64, 90_000, False, 300, 64, 40),
@@ -25,7 +27,7 @@ CASES = [
 ]
 
 
-def _real(cfg, n, budget, offload, bt, prefetch, pchunk, decode):
+def _real(cfg, n, budget, offload, bt, prefetch, pchunk, decode, dchunk):
     import torch
 
     from lessmem.kvcache.tiered import TieredKVCache, cache_kwargs
@@ -43,8 +45,8 @@ def _real(cfg, n, budget, offload, bt, prefetch, pchunk, decode):
     with torch.inference_mode():  # SDPA over the gathered history: the same reads, no kernel build
         for a in range(0, prompt, pchunk):
             model(ids[:, a:min(a + pchunk, prompt)], **cache_kwargs(model, cache))
-        for t in range(prompt, n):
-            model(ids[:, t:t + 1], **cache_kwargs(model, cache))
+        for t in range(prompt, n, dchunk):
+            model(ids[:, t:t + dchunk], **cache_kwargs(model, cache))
     out = {"blocks": {t.name: len(list(t.keys())) for t in cache.stack.tiers},
            "bytes": cache.stack.placement(), "over_budget": cache.over_budget,
            "resident": cache.fp_bytes(), "config": model.config}
@@ -60,10 +62,13 @@ def test_split_matches_a_real_tiered_cache(tmp_path, preset, bs, window, bt, bud
 
     cfg = PRESETS[preset].replace(window=window, block_size=bs)
     offload = f"host@6KiB,disk:{tmp_path}"
-    real = _real(cfg, n, budget, offload, bt, prefetch, pchunk, decode)
+    dchunk = 8 if decode < 0 else 1
+    decode = abs(decode)
+    real = _real(cfg, n, budget, offload, bt, prefetch, pchunk, decode, dchunk)
     c = real["config"]
     dims = SimpleNamespace(layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads, head_dim=64)
-    s = tier_split(dims, cfg.to_plan(preset), n, 1, budget, offload, bt, prefetch, pchunk, decode)
+    s = tier_split(dims, cfg.to_plan(preset), n, 1, budget, offload, bt, prefetch, pchunk, decode,
+                   decode_chunk=dchunk)
     bb = s["block_bytes"]
     got = {t["tier"]: t for t in s["tiers"]}
     assert {k: t["blocks"] for k, t in got.items()} == real["blocks"]  # the same block in each tier
@@ -126,6 +131,7 @@ def test_one_shot_prefill_leaves_the_device_tier_empty():
     (dict(offload="floppy"), "offload tier 'floppy' is not understood"),
     (dict(kv_budget="lots"), "kv_budget='lots' is not a size"),
     (dict(prefill_chunk=0), "prefill_chunk=0; allowed: an integer >= 1"),
+    (dict(decode_chunk=0), "decode_chunk=0; allowed: an integer >= 1"),
 ])
 def test_tier_split_rejects(kwargs, match):
     args = dict(precision="lessmem:int4", offload="host")

@@ -52,7 +52,10 @@ def add_arguments(p) -> None:
                    help="with --offload: prompt tokens per forward (default: --block-tokens; "
                         "lessmem generate feeds the whole prompt at once)")
     p.add_argument("--decode-tokens", default="0",
-                   help="with --offload: how many of --context tokens are decoded one at a time (default 0)")
+                   help="with --offload: how many of --context tokens are decoded after the prompt (default 0)")
+    p.add_argument("--decode-chunk", default="1",
+                   help="with --offload: tokens per decode forward (default 1; lessmem eval feeds --chunk, "
+                        "after a prefill of a quarter of the window)")
     p.add_argument("--target-tps", default="25", help="target tokens/s, all requests together (default 25)")
     p.add_argument("--buffer", default=None, help="bytes for the transfer table (default: the KV budget)")
     p.add_argument("--json", action="store_true", help="print JSON in base units")
@@ -105,6 +108,7 @@ def run(args) -> int:
         nvme_bw=args.nvme_bw, offload=args.offload, block_tokens=_int_opt("block_tokens", args.block_tokens),
         prefetch=not args.no_prefetch, prefill_chunk=_int_opt("prefill_chunk", args.prefill_chunk),
         decode_tokens=_int_opt("decode_tokens", args.decode_tokens),
+        decode_chunk=_int_opt("decode_chunk", args.decode_chunk),
     )
     if args.json:
         print(json.dumps(p, indent=2, default=float))

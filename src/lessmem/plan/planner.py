@@ -61,7 +61,7 @@ def parse_params(v) -> float:
 def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
          hardware=DEFAULT_HARDWARE, kv_budget=None, target_tps=25.0, buffer=None,
          params=None, keep_embeddings=False, offload=None, block_tokens=256, prefetch=True,
-         prefill_chunk=None, decode_tokens=0, **hw_overrides) -> dict:
+         prefill_chunk=None, decode_tokens=0, decode_chunk=1, **hw_overrides) -> dict:
     """Memory, bandwidth and tier split for ``batch`` requests of ``context`` tokens.
 
     model: preset name or config.json path; kv: precisions (names or KVPrecision);
@@ -76,7 +76,8 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
     offload: the tiers below the device as ``lessmem generate --offload`` takes them
     (``"host@1GiB,disk:/path"``): adds ``tier_split``, one :func:`lessmem.plan.tiers.tier_split`
     per lessmem cache preset in ``kv`` (default ``lessmem:int4`` when ``kv`` is not given),
-    with ``block_tokens``, ``prefetch``, ``prefill_chunk`` and ``decode_tokens`` as there.
+    with ``block_tokens``, ``prefetch``, ``prefill_chunk``, ``decode_tokens`` and
+    ``decode_chunk`` as there.
     """
     m = get_model(model)
     if params is not None:
@@ -140,7 +141,7 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
                              f"{', '.join(p.name for p in precs)}; allowed: "
                              f"{', '.join(n for n, p in LESSMEM.items() if p.k_bits < 16)}")
         splits = [tier_split(m, p, context, batch, budget, offload, block_tokens, prefetch,
-                             prefill_chunk, decode_tokens) for p in presets]
+                             prefill_chunk, decode_tokens, decode_chunk=decode_chunk) for p in presets]
     step_budget = 1.0 / target_tps
     buf = parse_bytes(buffer, "buffer") if buffer is not None else (budget or kv_rows[0]["total"])
     out = {

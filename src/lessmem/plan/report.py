@@ -120,7 +120,7 @@ def _split_table(sp: dict) -> tuple:
         f"\n  the device needs {fmt_bytes(sp['needed_budget'])} at its peak (resident + the forward's new "
         "tokens + gathered histories): over --kv-budget")
     feed = (f"prompt in chunks of {sp['prefill_chunk']:,}"
-            + (f", then {sp['decode_tokens']:,} tokens one at a time" if sp["decode_tokens"] else ""))
+            + (f", then {sp['decode_tokens']:,} tokens {sp['decode_chunk']} at a time" if sp["decode_tokens"] else ""))
     return (
         f"Tier split — {sp['precision']}, {sp['batch']} x {sp['context']:,} tokens, blocks of "
         f"{sp['block_tokens']} tokens per layer ({fmt_bytes(sp['block_bytes'], both=False)} each), {feed}",

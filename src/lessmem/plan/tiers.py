@@ -72,9 +72,11 @@ class _Layer:
     blocks: int = 0
 
 
-def _schedule(context: int, prefill_chunk: int, decode_tokens: int) -> list[int]:
+def _schedule(context: int, prefill_chunk: int, decode_tokens: int, decode_chunk: int = 1) -> list[int]:
+    """Tokens per forward: the prompt in ``prefill_chunk``s, then the rest in ``decode_chunk``s."""
     prompt = context - decode_tokens
-    return [min(prefill_chunk, prompt - a) for a in range(0, prompt, prefill_chunk)] + [1] * decode_tokens
+    return ([min(prefill_chunk, prompt - a) for a in range(0, prompt, prefill_chunk)]
+            + [min(decode_chunk, context - a) for a in range(prompt, context, decode_chunk)])
 
 
 def _check_int(name, v, lo):
@@ -84,7 +86,8 @@ def _check_int(name, v, lo):
 
 def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_budget=None,
                offload: str | list = "host", block_tokens: int = 256, prefetch: bool = True,
-               prefill_chunk: int | None = None, decode_tokens: int = 0, kv_name: str | None = None) -> dict:
+               prefill_chunk: int | None = None, decode_tokens: int = 0, kv_name: str | None = None,
+               decode_chunk: int = 1) -> dict:
     """Bytes per tier after ``context`` tokens of ``batch`` requests (see the module doc).
 
     ``model``: a :class:`~lessmem.plan.models.ModelDims` (or anything with ``layers``,
@@ -93,8 +96,10 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
     unbounded: everything stays on the device); ``offload``: the lower tiers as
     ``--offload`` takes them; ``prefill_chunk``: tokens per prefill forward (default
     ``block_tokens``, as ``TieredKVCache.prefill`` feeds; ``lessmem generate`` feeds the
-    whole prompt at once); ``decode_tokens``: the last tokens of ``context`` fed one at a
-    time; ``kv_name``: the ``--kv`` name for the emitted arguments.
+    whole prompt at once); ``decode_tokens``: the last tokens of ``context``, fed
+    ``decode_chunk`` at a time (1: decoding; ``lessmem eval`` scores the last three quarters
+    of each window in chunks of ``--chunk``); ``kv_name``: the ``--kv`` name for the emitted
+    arguments.
     """
     p = precision
     _check_int("context", context, 1)
@@ -115,6 +120,7 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
                          f"block size {p.block}")
     prefill_chunk = block_tokens if prefill_chunk is None else prefill_chunk
     _check_int("prefill_chunk", prefill_chunk, 1)
+    _check_int("decode_chunk", decode_chunk, 1)
     specs = parse_offload_spec(offload) if isinstance(offload, str) else list(offload)
     if not specs or not all(isinstance(s, TierSpec) for s in specs):
         raise ValueError(f"offload={offload!r}; allowed: an --offload string or a list of TierSpec")
@@ -151,7 +157,7 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
         return cap
 
     pre, T = _Layer(), 0
-    for c in _schedule(context, prefill_chunk, decode_tokens):
+    for c in _schedule(context, prefill_chunk, decode_tokens, decode_chunk):
         take = max(0, min(c, p.sinks - T))
         w1 = pre.window + c - take  # the window after appending, before it is trimmed
         f = max(0, (w1 - p.window) // p.block) * p.block  # tokens leaving the window, quantized
@@ -197,5 +203,6 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
         "within_budget": budget is None or state["needed"] <= budget,
         "tiers": rows, "lost_blocks": left, "fits": left == 0,
         "prefetch": bool(prefetch), "prefill_chunk": prefill_chunk, "decode_tokens": decode_tokens,
+        "decode_chunk": decode_chunk,
         "offload": off, "args": args,
     }
