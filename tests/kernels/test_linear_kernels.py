@@ -60,7 +60,7 @@ def test_w8a8_integer_sums_exact(backend, m):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("sym", [False, True])
-@pytest.mark.parametrize("gs,n,k", [(32, 37, 224), (64, 19, 576), (128, 5, 384)])
+@pytest.mark.parametrize("gs,n,k", [(32, 37, 224), (64, 19, 576), (128, 5, 384), (32, 7, 512)])
 def test_lowbit_matches_reference(backend, bits, sym, gs, n, k):
     u, codes, scale, zero = _lowbit_case(bits, n, k, gs, sym, bits * 1000 + gs + n)
     w = ref.dequant_grouped_weight(u, scale, zero, gs)

@@ -170,8 +170,8 @@ static inline int kperm(int pos) {
 // 32 hi then 32 lo, in kperm order, so one cache line feeds both dot products.
 // d [M, G] = the step, a [M, G] = d · Σ_{k∈g} q (for the zero-point term).
 template <int BITS>
-static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* dl,
-                     float* a) {
+static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int64_t GS, int8_t* xq,
+                     float* dl, float* a) {               // dl, a: row stride GS ≥ G
   const int64_t G = K / gs;
   int perm[32];
   for (int p = 0; p < 32; ++p) perm[p] = kperm<BITS>(p);
@@ -189,8 +189,8 @@ static void prep_act(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* x
         q[k] = (int32_t)std::min(32258.f, std::max(-32258.f, v));
         sum += q[k];
       }
-      dl[m * G + g] = d;
-      a[m * G + g] = d * (float)sum;
+      dl[m * GS + g] = d;
+      a[m * GS + g] = d * (float)sum;
       for (int64_t b0 = 0; b0 < gs; b0 += 32) {
         int8_t* dst = xq + m * 2 * K + 2 * (g * gs + b0);
         for (int p = 0; p < 32; ++p) {
@@ -244,12 +244,12 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
-// One weight row (codes b) against MT (1..4) activation rows; f [4][G] the per-group factors
+// One weight row (codes b) against MT (1..4) activation rows; f [4][GS] the per-group factors
 // s[n, g] · d[r, g]: out[r] = Σ_g f[r, g] · (256·Σ u·hi + Σ u·lo). NBT > 0 fixes the blocks
 // per group at compile time (unrolled: the common 64/128-wide groups at batch 1).
 template <int BITS, int MT, int NBT>
-static inline void lowbit_row(const uint8_t* b, const float* f, const int8_t* xq, int64_t K,
-                              int64_t G, int64_t gs, float* out) {
+static inline void lowbit_row(const uint8_t* b, const float* f, int64_t GS, const int8_t* xq,
+                              int64_t K, int64_t G, int64_t gs, float* out) {
   constexpr int BB = 4 * BITS;                     // bytes per 32-code block
   const int64_t NB = NBT > 0 ? NBT : gs / 32;
 #ifdef LM_AVX2
@@ -271,7 +271,7 @@ static inline void lowbit_row(const uint8_t* b, const float* f, const int8_t* xq
     for (int r = 0; r < MT; ++r) {
       // 256·Σu·hi + Σu·lo in int32: |lane| ≤ 4·15·32767·gs/32, no overflow below gs ≈ 35000
       const __m256i a = _mm256_add_epi32(_mm256_slli_epi32(ah[r], 8), al[r]);
-      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_broadcast_ss(f + r * G + g), tot[r]);
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_broadcast_ss(f + r * GS + g), tot[r]);
     }
   }
   for (int r = 0; r < MT; ++r) {
@@ -293,62 +293,76 @@ static inline void lowbit_row(const uint8_t* b, const float* f, const int8_t* xq
       const int64_t o = 2 * (k - k % 32) + k % 32;  // natural order: hi at o, lo at o + 32
       for (int r = 0; r < MT; ++r) { ah[r] += u * xq[r * 2 * K + o]; al[r] += u * xq[r * 2 * K + o + 32]; }
     }
-    for (int r = 0; r < MT; ++r) out[r] += f[r * G + g] * (256.f * (float)ah[r] + (float)al[r]);
+    for (int r = 0; r < MT; ++r) out[r] += f[r * GS + g] * (256.f * (float)ah[r] + (float)al[r]);
   }
 #endif
 }
 
 template <int BITS, int MT>
-static inline void lowbit_tile(const uint8_t* b, const float* f, const int8_t* xq, int64_t K,
-                               int64_t G, int64_t gs, float* out) {
-  if (MT == 1 && gs == 64) lowbit_row<BITS, MT, 2>(b, f, xq, K, G, gs, out);
-  else if (MT == 1 && gs == 128) lowbit_row<BITS, MT, 4>(b, f, xq, K, G, gs, out);
-  else lowbit_row<BITS, MT, 0>(b, f, xq, K, G, gs, out);
+static inline void lowbit_tile(const uint8_t* b, const float* f, int64_t GS, const int8_t* xq,
+                               int64_t K, int64_t G, int64_t gs, float* out) {
+  if (MT == 1 && gs == 64) lowbit_row<BITS, MT, 2>(b, f, GS, xq, K, G, gs, out);
+  else if (MT == 1 && gs == 128) lowbit_row<BITS, MT, 4>(b, f, GS, xq, K, G, gs, out);
+  else lowbit_row<BITS, MT, 0>(b, f, GS, xq, K, G, gs, out);
 }
 
 template <int BITS>
 static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, const uint8_t* zp,
                         const float* bias, float* yp, int64_t M, int64_t N, int64_t K, int64_t gs) {
   const int64_t G = K / gs, row_bytes = K * BITS / 8;
-  auto xq_t = torch::empty({M, 2 * K}, torch::kChar);  // 64-byte aligned by the CPU allocator
-  auto da_t = torch::empty({2, M, G}, torch::kFloat);
-  int8_t* xq = xq_t.data_ptr<int8_t>();
-  float* dl = da_t.data_ptr<float>();
-  float* al = dl + M * G;
-  prep_act<BITS>(x, M, K, gs, xq, dl, al);
+  // Per-group vectors padded to GS = G rounded up to 8 (d, a zero-padded), so the per-row
+  // prepass below is whole 8-lane steps with no scalar tail; it reads the scales and zero
+  // points of row n up to GS, i.e. into row n + 1 (a padded copy on the last row), where the
+  // zero padding of a cancels them.
+#ifdef LM_AVX2
+  const int64_t GS = (G + 7) / 8 * 8;
+#else
+  const int64_t GS = G;
+#endif
+  static thread_local std::vector<int8_t> xq_buf;   // reused across calls: no allocation
+  static thread_local std::vector<float> da_buf;
+  xq_buf.resize(M * 2 * K + 64);
+  da_buf.assign(2 * M * GS, 0.f);
+  int8_t* xq = xq_buf.data();
+  float* dl = da_buf.data();
+  float* al = dl + M * GS;
+  prep_act<BITS>(x, M, K, gs, GS, xq, dl, al);
   #pragma omp parallel if(N * K * M >= PAR_MIN_WORK)
   {
-    std::vector<uint8_t> last;                      // the buffer's last row, padded by 16 bytes
-    std::vector<float> sf(G), f(4 * G);
+    std::vector<uint8_t> last, zlast(GS + 8, 0);    // the buffer's last row, padded
+    std::vector<at::Half> slast(GS + 8);
+    std::vector<float> sf(GS), f(4 * GS);
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t* b = cp + n * row_bytes;
+      const at::Half* s = sp + n * G;
+      const uint8_t* z = zp + n * G;
       if (n == N - 1) {
         last.assign(row_bytes + 16, 0);
         std::memcpy(last.data(), b, row_bytes);
         b = last.data();
+        std::copy(s, s + G, slast.begin());
+        std::copy(z, z + G, zlast.begin());
+        s = slast.data();
+        z = zlast.data();
       }
-      const at::Half* s = sp + n * G;
-      const uint8_t* z = zp + n * G;
-      int64_t g0 = 0;
 #ifdef LM_AVX2
-      for (; g0 + 8 <= G; g0 += 8)
-        _mm256_storeu_ps(sf.data() + g0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + g0))));
+      for (int64_t g = 0; g < GS; g += 8)
+        _mm256_storeu_ps(sf.data() + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + g))));
+#else
+      for (int64_t g = 0; g < G; ++g) sf[g] = h2f(s[g]);
 #endif
-      for (int64_t g = g0; g < G; ++g) sf[g] = h2f(s[g]);
       const float bn = bias ? bias[n] : 0.f;
       float out[4], zt[4];
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mt = std::min<int64_t>(4, M - m0);
         for (int64_t r = 0; r < mt; ++r) {          // f = s·d; zero term Σ_g s·z·d·Σq
-          const float* d = dl + (m0 + r) * G;
-          const float* a = al + (m0 + r) * G;
-          float* fr = f.data() + r * G;
-          float acc = 0.f;
-          int64_t g = 0;
+          const float* d = dl + (m0 + r) * GS;
+          const float* a = al + (m0 + r) * GS;
+          float* fr = f.data() + r * GS;
 #ifdef LM_AVX2  // (an omp simd reduction here costs a 64-lane scalar sum per row)
           __m256 va = _mm256_setzero_ps();
-          for (; g + 8 <= G; g += 8) {
+          for (int64_t g = 0; g < GS; g += 8) {
             const __m256 vs = _mm256_loadu_ps(sf.data() + g);
             _mm256_storeu_ps(fr + g, _mm256_mul_ps(vs, _mm256_loadu_ps(d + g)));
             const __m256 vz = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(z + g))));
@@ -356,20 +370,22 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, c
           }
           __m128 h = _mm_add_ps(_mm256_castps256_ps128(va), _mm256_extractf128_ps(va, 1));
           h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-          acc = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-#endif
-          for (; g < G; ++g) {
+          zt[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
+          float acc = 0.f;
+          for (int64_t g = 0; g < G; ++g) {
             fr[g] = sf[g] * d[g];
             acc += sf[g] * (float)z[g] * a[g];
           }
           zt[r] = acc;
+#endif
         }
         const int8_t* xm = xq + m0 * 2 * K;
         switch (mt) {
-          case 4: lowbit_tile<BITS, 4>(b, f.data(), xm, K, G, gs, out); break;
-          case 3: lowbit_tile<BITS, 3>(b, f.data(), xm, K, G, gs, out); break;
-          case 2: lowbit_tile<BITS, 2>(b, f.data(), xm, K, G, gs, out); break;
-          default: lowbit_tile<BITS, 1>(b, f.data(), xm, K, G, gs, out); break;
+          case 4: lowbit_tile<BITS, 4>(b, f.data(), GS, xm, K, G, gs, out); break;
+          case 3: lowbit_tile<BITS, 3>(b, f.data(), GS, xm, K, G, gs, out); break;
+          case 2: lowbit_tile<BITS, 2>(b, f.data(), GS, xm, K, G, gs, out); break;
+          default: lowbit_tile<BITS, 1>(b, f.data(), GS, xm, K, G, gs, out); break;
         }
         for (int64_t r = 0; r < mt; ++r) yp[(m0 + r) * N + n] = out[r] - zt[r] + bn;
       }
