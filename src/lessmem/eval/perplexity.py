@@ -143,7 +143,9 @@ def evaluate(
     one window is always done); the rows then report the windows actually evaluated.
     Each dict carries ``config, kind, ppl, delta_ppl_pct, kld, top1, k_bits, v_bits,
     kv_bytes, fp16_kv_bytes, compression, tok_per_s, speed_vs_baseline, tokens_scored,
-    memory`` and the protocol (``model, text, windows, window_len, chunk, prefill``).
+    memory`` and the protocol (``model, text, windows, window_len, chunk, prefill``);
+    rows of tiered caches (``eval.caches.with_offload``) also carry ``offload``: bytes per
+    tier, device bytes and peak vs budget. Every cache is closed after its window.
 
     Example:
         >>> from lessmem.models import tiny_random, tiny_tokenizer

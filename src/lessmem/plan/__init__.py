@@ -20,11 +20,13 @@ from .kv import KVPrecision, bytes_per_token, get_kv, kv_bytes
 from .models import MODEL_PRESETS, ModelDims, from_hf_config, get_model
 from .planner import plan
 from .speed import decode_floor, transfer_times
+from .tiers import tier_split
+from .tierspec import TierSpec, format_offload_spec, parse_offload_spec
 from .weights import WeightFormat, get_weight_format, weight_footprint
 
 __all__ = [
     "plan", "kv_bytes", "bytes_per_token", "KVPrecision", "get_kv", "KV_PRESETS", "KV_RAW",
     "ModelDims", "MODEL_PRESETS", "get_model", "from_hf_config", "Hardware", "HARDWARE_PRESETS",
     "get_hardware", "pcie_bandwidth", "WeightFormat", "get_weight_format", "weight_footprint",
-    "transfer_times", "decode_floor",
+    "transfer_times", "decode_floor", "tier_split", "TierSpec", "parse_offload_spec", "format_offload_spec",
 ]
