@@ -21,6 +21,8 @@ from lessmem.weights.hqq import (
 from lessmem.weights.qlinear import QuantLinear
 from lessmem.weights.rtn import rtn_quantize
 
+BETA = lessmem.HQQConfig().beta
+
 
 def _heavy(n=96, k=256, seed=0):
     """Student-t (3 dof) weights with a few outlier columns, as trained LLM layers have."""
@@ -87,13 +89,17 @@ def test_real_layer_smollm2_weight_and_output_error_below_rtn(smol_down_proj, bi
 
 # ---- reference twin: one group at a time, written out plainly ------------------------------
 
-def _reference_group(w, bits, iters=20, p=0.7, beta=10.0, kappa=1.01, tol=1e-4):
-    """HQQ for one group w [gs]: the module doc's algorithm as scalar-per-group loops."""
+def _reference_group(w, bits, iters=20, p=0.7, beta=BETA, kappa=1.01, tol=1e-4, code_units=True):
+    """HQQ for one group w [gs]: the module doc's algorithm as scalar-per-group loops.
+    code_units: errors measured in steps of RTN's scale s0 (else in weight units)."""
     qmax = 2**bits - 1
+    s16, zp = choose_qparams(w[None], bits, False)
+    s0, z_rtn = float(s16), float(zp)
+    unit = s0 if code_units else 1.0
 
     def phi(s, z):
         u = torch.clamp(torch.round(w / s + z), 0, qmax)
-        return (w - s * (u - z)).abs().pow(p).sum().item()
+        return ((w - s * (u - z)) / unit).abs().pow(p).sum().item()
 
     def shrink(x, b):
         return torch.sign(x) * torch.relu(x.abs() - x.abs().clamp(min=1e-30).pow(p - 1) / b)
@@ -103,7 +109,7 @@ def _reference_group(w, bits, iters=20, p=0.7, beta=10.0, kappa=1.01, tol=1e-4):
         b = beta
         for _ in range(iters):
             u = torch.clamp(torch.round(w / s + z), 0, qmax)
-            e = shrink(w - s * (u - z), b)
+            e = shrink((w - s * (u - z)) / unit, b) * unit
             s, z = update(s, z, u, e)
             b *= kappa
             cur = phi(s, z)
@@ -124,8 +130,6 @@ def _reference_group(w, bits, iters=20, p=0.7, beta=10.0, kappa=1.01, tol=1e-4):
         fit = ((w - e) * d).sum().item() / (d * d).sum().item()
         return (float(torch.tensor(fit).half()) if fit > 0 else s), z
 
-    s16, zp = choose_qparams(w[None], bits, False)
-    s0, z_rtn = float(s16), float(zp)
     lo = min(w.min().item(), 0.0)
     _, _, zf = run(s0, -lo / s0, zero_update)
     cands = [(phi(s0, z_rtn), s0, z_rtn)]
@@ -138,14 +142,17 @@ def _reference_group(w, bits, iters=20, p=0.7, beta=10.0, kappa=1.01, tol=1e-4):
     return best[1], best[2], best[0]
 
 
-def test_matches_the_reference_twin():
+@pytest.mark.parametrize("code_units, beta", [(True, BETA), (False, 10.0)])
+def test_matches_the_reference_twin(code_units, beta):
     w = _heavy(12, 128, seed=3)
     for bits in (2, 3, 4):
-        s, z = hqq_groups(w.reshape(-1, 32), bits)
+        s, z = hqq_groups(w.reshape(-1, 32), bits, beta=beta, code_units=code_units)
+        s0, _ = choose_qparams(w.reshape(-1, 32), bits, False)
         for i, wg in enumerate(w.reshape(-1, 32)):
-            rs, rz, rphi = _reference_group(wg, bits)
+            rs, rz, rphi = _reference_group(wg, bits, beta=beta, code_units=code_units)
             u = torch.clamp(torch.round(wg / s[i].float() + z[i].float()), 0, 2**bits - 1)
-            ours = (wg - s[i].float() * (u - z[i].float())).abs().pow(0.7).sum().item()
+            err = (wg - s[i].float() * (u - z[i].float())) / (float(s0[i]) if code_units else 1.0)
+            ours = err.abs().pow(0.7).sum().item()
             assert ours == pytest.approx(rphi, rel=1e-5), (bits, i)
             assert float(s[i]) == pytest.approx(rs, rel=1e-3) and int(z[i]) == rz, (bits, i)
 
@@ -178,18 +185,20 @@ def test_quadratic_part_is_the_error_minus_its_shrinkage(p):
     assert torch.allclose(got, r - shrink_lp(r, 10.0, p), atol=1e-6)
 
 
-def test_closed_form_steps_minimise_the_quadratic():
+@pytest.mark.parametrize("unit", [1.0, 0.4])
+def test_closed_form_steps_minimise_the_quadratic(unit):
     torch.manual_seed(0)
     w, e = torch.randn(3, 64), torch.randn(3, 64) * 0.01
     s, z = torch.full((3, 1), 0.4), torch.full((3, 1), 7.3)
     d = torch.clamp(torch.round(w / s + z), 0, 15) - z
-    q = (w - s * d) - e  # r − e
-    _, z1 = _step_zero(s, z, d, q)
+    u_ = torch.full((3, 1), unit)
+    q = ((w - s * d) - e) / u_  # (r − e) in steps of unit
+    _, z1 = _step_zero(s, z, d, q, u_)
     u = d + z
     for dz in (-1e-2, 1e-2):  # ||w − e − s(u − z)||² is minimal at z1
         f = lambda zz: ((w - e - s * (u - zz)) ** 2).sum(1)  # noqa: E731
         assert bool((f(z1) <= f(z1 + dz)).all())
-    s1, _ = _step_scale(s, z, d, q)
+    s1, _ = _step_scale(s, z, d, q, u_)
     assert s1.dtype == torch.float32 and torch.equal(s1, s1.half().float())  # stored as fp16
     g = lambda ss: ((w - e - ss * d) ** 2).sum(1)  # noqa: E731
     assert bool((g(s1) <= g(s1 * 1.01)).all() and (g(s1) <= g(s1 * 0.99)).all())
@@ -251,7 +260,7 @@ def test_bad_configs(kw, match):
 
 def test_config_defaults_dict_roundtrip_and_exports():
     cfg = lessmem.HQQConfig(bits=3, overrides={"*.down_proj": {"iters": 5}})
-    assert (cfg.group_size, cfg.iters, cfg.lp_norm, cfg.beta, cfg.kappa) == (64, 20, 0.7, 10.0, 1.01)
+    assert (cfg.group_size, cfg.iters, cfg.lp_norm, cfg.beta, cfg.kappa) == (64, 20, 0.7, 0.03, 1.01)
     assert cfg.method == "hqq" and not cfg.needs_calibration
     assert WeightConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.for_module("model.layers.0.mlp.down_proj").iters == 5

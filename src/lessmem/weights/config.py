@@ -164,10 +164,13 @@ class RTNConfig(WeightConfig):
 class HQQConfig(WeightConfig):
     """Half-Quadratic Quantization (Badri & Shaji 2023), no calibration: per group, the scale
     from min/max, then the zero point fitted by ``iters`` half-quadratic iterations on the
-    lp error (p = ``lp_norm`` < 1: generalised soft-thresholding of the error with weight
+    lp error (p = ``lp_norm`` <= 1: generalised soft-thresholding of the error with weight
     ``beta``, grown by ``kappa`` each step, then a closed-form zero update), stopping when
     the error stops improving; zero points are stored as integers (QuantLinear's uint8), so
     the scale is then refitted the same way around the rounded zero (``weights.hqq``).
+    Errors are measured in quantization steps, so ``beta`` does not depend on how wide a
+    model's weights are: errors above beta^(-1/(2-p)) steps (≈15 at the defaults) count as
+    sparse outliers (the paper's beta=10 is in raw weight units).
 
     Groups always run along input columns (HQQ's ``axis=1``), the layout the fused kernels
     hold. ``symmetric=True`` (and ``bits=8``, per-channel symmetric) fits the scale only.
@@ -184,7 +187,7 @@ class HQQConfig(WeightConfig):
     group_size: int | None = 64
     iters: int = 20
     lp_norm: float = 0.7
-    beta: float = 10.0
+    beta: float = 0.03
     kappa: float = 1.01
 
     method = "hqq"
