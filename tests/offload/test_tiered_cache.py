@@ -254,3 +254,41 @@ def test_sliding_window_policy(tmp_path, fused):
         TieredKVCache(m.config, _gen.CFG, block_tokens=32, attention_window=64)
     with pytest.raises(ValueError, match="attention_window=48"):
         TieredKVCache(m.config, cfg, block_tokens=32, attention_window=48)
+
+
+@pytest.mark.parametrize("sinks", [4, 0])
+def test_prompt_sharing_only_a_prefix_reuses_its_blocks(tmp_path, sinks):
+    # another request (here: a later cache on the same store) with the same first 120
+    # tokens and a different tail loads the stored blocks of that prefix, computes the rest
+    cfg = _gen.CFG.replace(sinks=sinks)
+    m = _gen.model()
+    fed = []
+    m.register_forward_pre_hook(lambda mod, args: fed.append(args[0].shape[1]))
+    p1 = _gen.prompt(150)
+    p2 = torch.cat([p1[:, :120], _gen.prompt(40, seed=5)], dim=1)
+    spec = f"host,disk:{tmp_path / 'store'}"
+    a = TieredKVCache(m.config, cfg, tiers=spec, block_tokens=32, model_id="tiny")
+    a.prefill(m, p1)
+    a.close()
+    fed.clear()
+    b = TieredKVCache(m.config, cfg, tiers=spec, block_tokens=32, model_id="tiny")
+    got = b.prefill(m, p2)
+    reused = sinks + 32 * ((120 - sinks) // 32)  # whole blocks inside the shared prefix
+    assert b.prefix_tokens_reused == reused and b.offload_stats()["prefix_tokens_reused"] == reused
+    assert sum(fed) == 160 - reused and b.prefill_skipped == 0
+    assert b.get_seq_length() == 160
+    full = TieredKVCache(m.config, cfg, tiers=f"disk:{tmp_path / 'other'}", block_tokens=32, model_id="tiny")
+    want = full.prefill(m, p2)
+    # not bit-exact (the tail attended to a fully quantized prefix), but the same prediction
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    # decoding continues from the restored state like from a computed one
+    toks_b, _ = _gen.decode(m, b, got, 4)
+    toks_f, _ = _gen.decode(m, full, want, 4)
+    assert toks_b == toks_f
+    # an unrelated prompt reuses nothing
+    c = TieredKVCache(m.config, cfg, tiers=spec, block_tokens=32, model_id="tiny")
+    c.prefill(m, _gen.prompt(100, seed=9))
+    assert c.prefix_tokens_reused == 0
+    for x in (b, full, c):
+        x.close()

@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from dataclasses import replace
@@ -229,6 +230,19 @@ class TieredKVLayer(QuantizedKVLayer):
         super()._map(fn)
 
 
+def _background_priority() -> None:
+    """Lower the prefetch thread's CPU priority (Linux: per-thread nice + 5): it should fill
+    idle cycles, not preempt torch's compute threads in the middle of a parallel region."""
+    if os.environ.get("LESSMEM_PREFETCH_NICE", "5") == "0":
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
+                                                 + int(os.environ.get("LESSMEM_PREFETCH_NICE", "5"))))
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def _join(parts: list[dict]) -> dict:
     """One block dict from consecutive parts (tokens along dim 2)."""
     if len(parts) == 1:
@@ -310,6 +324,7 @@ class TieredKVCache(KVCache):
         self.device_peak = 0
         self.over_budget = 0  # reads at which even an empty device tier could not meet the budget
         self.prefill_skipped = 0
+        self.prefix_tokens_reused = 0  # prompt tokens restore_blocks loaded instead of computing
         self._hashes: list[str] = []
         self._version = 0  # bumped whenever a layer's blocks or partial block change
         self._sums: dict[str, tuple] = {}
@@ -507,7 +522,8 @@ class TieredKVCache(KVCache):
                 if self._pool is None:
                     from concurrent.futures import ThreadPoolExecutor
 
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch")
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch",
+                                                    initializer=_background_priority)
                 with self._plock:
                     self.prefetch_stats.issued += 1
                 fut = self._pool.submit(self._gather, nxt, self._visible(nxt), nxt.pending)
@@ -554,7 +570,69 @@ class TieredKVCache(KVCache):
         key = self._state_key(ids)
         for t in self.lower:
             t.put(key, rec)
+        s = self.kv_config.sinks
+        if s and len(ids) >= s:  # the exact sinks, for prompts that share only a prefix with this one
+            srec = {k: v for k, v in rec.items() if ".sinks_" in k or k.endswith(".probe")}
+            skey = self._sinks_key(ids[:s])
+            for t in self.lower:
+                if not t.contains(skey):
+                    t.put(skey, srec)
         return key
+
+    def _sinks_key(self, ids) -> str:
+        return "sinks-" + sequence_hash(ids, self.model_id, self.key_config)
+
+    def restore_blocks(self, token_ids, dtype=None, device=None) -> int:
+        """Load the longest run of leading blocks of ``token_ids`` that the lower tiers hold
+        for every layer (saved by any cache with the same model id and config, e.g. for a
+        prompt that shares only a prefix with this one), leaving at least one token to
+        compute; returns the tokens restored (0: nothing found, the cache stays empty).
+
+        The restored tokens are quantized history, exactly as stored; the caller feeds the
+        rest of the prompt. The result is not bit-identical to a full prefill: there, the
+        later prompt tokens attended to the last restored ones while those were still in
+        the full-precision window (a difference of the same kind as the cache's own)."""
+        self._check_restorable()
+        if self.get_seq_length():
+            raise ValueError("restore_blocks needs an empty cache; allowed: a fresh cache or after reset()")
+        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        s, bt = self.kv_config.sinks, self.block_tokens
+        srec = None
+        if s:
+            srec = next((r for r in (t.get(self._sinks_key(ids[:s])) for t in self.lower) if r is not None),
+                        None) if len(ids) > s else None
+            if srec is None:
+                return 0
+        self.set_tokens(ids)
+        n = min(len(self._hashes), (len(ids) - s - 1) // bt)
+        k = 0
+        while k < n and all(any(t.contains(self._key_for(la, k)) for t in self.lower) for la in self.tiered):
+            k += 1
+        if not k:
+            return 0
+        text = self.model_config.get_text_config() if hasattr(self.model_config, "get_text_config") \
+            else self.model_config
+        for la in self.tiered:
+            i = la.layer_idx
+            keys = [self._key_for(la, b) for b in range(k)]
+            first = self._fetch(keys[0])
+            if srec is not None:
+                probe = srec[f"L{i}.probe"]
+            else:
+                D = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+                probe = torch.empty(first["k_codes"].shape[0], first["k_codes"].shape[1], 0, D,
+                                    dtype=dtype or getattr(text, "torch_dtype", None) or torch.float32)
+            probe = probe.to(device) if device is not None else probe
+            la.lazy_initialization(probe, probe)
+            if srec is not None:
+                la.sinks = (srec[f"L{i}.sinks_k"].to(probe.device), srec[f"L{i}.sinks_v"].to(probe.device))
+            la.block_keys, la.block_bytes = keys, [block_nbytes(first)] * k
+            la.n_history, la.n_pending, la.pending = k * bt, 0, None
+            la.length = s + k * bt
+            la.part_bytes = {name: _nb(t) * k for name, t in first.items()}
+        self._version += 1
+        self.prefix_tokens_reused += s + k * bt
+        return s + k * bt
 
     def _check_restorable(self) -> None:
         if len(self.tiered) != len(self.layers):
@@ -604,13 +682,17 @@ class TieredKVCache(KVCache):
                 out[k] = _nb(t) * len(keys)
         return out
 
-    def prefill(self, model, input_ids: torch.Tensor, chunk: int | None = None, save: bool = True):
+    def prefill(self, model, input_ids: torch.Tensor, chunk: int | None = None, save: bool = True,
+                reuse_prefix: bool = True):
         """Logits [B, vocab] after ``input_ids``: restored from the tiers when this exact
-        prompt was saved before (prefill skipped), else computed in chunks of ``chunk``
-        tokens (default ``block_tokens``) and saved when ``save``."""
+        prompt was saved before (prefill skipped); else, with ``reuse_prefix``, the leading
+        blocks the tiers hold for this prompt's prefix are loaded (:meth:`restore_blocks`)
+        and only the rest is computed, in chunks of ``chunk`` tokens (default
+        ``block_tokens``); saved when ``save``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}; allowed: [batch, tokens]")
         single = input_ids.shape[0] == 1 and len(self.tiered) == len(self.layers)
+        start = 0  # prompt tokens already in the cache (restored blocks)
         if single and not self.get_seq_length():
             logits = self.restore_prefix(input_ids[0])
             if logits is not None and logits.numel():
@@ -618,10 +700,13 @@ class TieredKVCache(KVCache):
             if logits is not None:
                 raise ValueError("the saved prefix has no logits; allowed: restore_prefix() then feed a token")
             self.set_tokens(input_ids[0])
+            if reuse_prefix:
+                start = self.restore_blocks(input_ids[0], dtype=getattr(model, "dtype", None),
+                                            device=getattr(model, "device", None))
         step = chunk or self.block_tokens
         out = None
         with torch.no_grad():
-            for a in range(0, input_ids.shape[1], step):
+            for a in range(start, input_ids.shape[1], step):
                 out = model(input_ids[:, a:a + step], **cache_kwargs(model, self))
         logits = out.logits[:, -1].float()
         if save and single:
@@ -641,6 +726,7 @@ class TieredKVCache(KVCache):
         out = self.stack.stats()
         out["prefetch"] = self.prefetch_stats.to_dict()
         out["prefill_skipped"] = self.prefill_skipped
+        out["prefix_tokens_reused"] = self.prefix_tokens_reused
         out["over_budget"] = self.over_budget
         return out
 
