@@ -51,7 +51,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from dataclasses import replace
@@ -228,19 +227,6 @@ class TieredKVLayer(QuantizedKVLayer):
             raise ValueError("a tiered cache cannot reorder or select batch rows of offloaded "
                              "history; allowed: batch operations before any block is written")
         super()._map(fn)
-
-
-def _background_priority() -> None:
-    """Lower the prefetch thread's CPU priority (Linux: per-thread nice + 5): it should fill
-    idle cycles, not preempt torch's compute threads in the middle of a parallel region."""
-    if os.environ.get("LESSMEM_PREFETCH_NICE", "5") == "0":
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
-                                                 + int(os.environ.get("LESSMEM_PREFETCH_NICE", "5"))))
-    except (AttributeError, OSError, ValueError):
-        pass
 
 
 def _join(parts: list[dict]) -> dict:
@@ -522,8 +508,7 @@ class TieredKVCache(KVCache):
                 if self._pool is None:
                     from concurrent.futures import ThreadPoolExecutor
 
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch",
-                                                    initializer=_background_priority)
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch")
                 with self._plock:
                     self.prefetch_stats.issued += 1
                 fut = self._pool.submit(self._gather, nxt, self._visible(nxt), nxt.pending)
