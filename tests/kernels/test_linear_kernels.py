@@ -92,6 +92,25 @@ def test_lowbit_dtypes_and_noncontiguous(backend, dtype):
     torch.testing.assert_close(y3.reshape(6, n), y)
 
 
+@pytest.mark.parametrize("m", [1, 6])
+def test_lowbit_reads_nothing_past_its_tensors(backend, m):
+    """Scales/zero points sit in a larger buffer whose tail is NaN / 255: none of it may leak
+    (the kernel reads group vectors in 8-wide steps, i.e. past a row's end)."""
+    bits, gs, n, k = 3, 128, 5, 384  # 3 groups per row: 8-wide reads span several rows
+    u, codes, scale, zero = _lowbit_case(bits, n, k, gs, False, 21)
+    sbuf = torch.full((n * 3 + 64,), float("nan"), dtype=torch.float16)
+    zbuf = torch.full((n * 3 + 64,), 255, dtype=torch.uint8)
+    sbuf[: n * 3] = scale.reshape(-1)
+    zbuf[: n * 3] = zero.reshape(-1)
+    cbuf = torch.full((codes.numel() + 64,), 255, dtype=torch.uint8)
+    cbuf[: codes.numel()] = codes
+    x = torch.randn(m, k)
+    y = linear_cpp.lowbit_linear(x, cbuf[: codes.numel()], bits, sbuf[: n * 3].view(n, 3),
+                                 zbuf[: n * 3].view(n, 3), gs)
+    torch.testing.assert_close(y, ref.lowbit_linear_ref(x, codes, bits, scale, zero, gs),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_lowbit_bias_added_in_kernel(backend):
     bits, gs, n, k = 2, 32, 9, 64
     u, codes, scale, zero = _lowbit_case(bits, n, k, gs, False, 3)

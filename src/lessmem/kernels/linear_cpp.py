@@ -341,6 +341,8 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, c
         last.assign(row_bytes + 16, 0);
         std::memcpy(last.data(), b, row_bytes);
         b = last.data();
+      }
+      if ((n * G + GS) > N * G) {                   // the GS-wide reads would pass the end
         std::copy(s, s + G, slast.begin());
         std::copy(z, z + G, zlast.begin());
         s = slast.data();
