@@ -139,3 +139,60 @@ def test_bad_path(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="not a usable directory"):
         DiskTier(f)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "swap", "missing", "none"])
+def test_get_many_equals_get_and_never_returns_damaged_data(tmp_path, monkeypatch, fast, damage):
+    # the batched (compiled, GIL-free) reader checks what get checks; a block that fails
+    # there is read again through get, which reports it
+    from lessmem.offload import fastread
+
+    if not fast:
+        monkeypatch.setenv("LESSMEM_NO_CPP", "1")
+    assert fastread.available() is fast
+    t = DiskTier(tmp_path)
+    keys = [f"k{i}" for i in range(5)]
+    for i, k in enumerate(keys):
+        t.put(k, {"codes": torch.randint(0, 255, (1, 3, 16, 32), dtype=torch.uint8), "i": torch.tensor([i]),
+                  "s": torch.rand(1, 3, 16, 1).half()})
+    want = [t.get(k) for k in keys]
+    f = tmp_path / "blocks" / "k2.blk"
+    data = bytearray(f.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 1
+        f.write_bytes(data)
+    elif damage == "truncate":
+        f.write_bytes(data[:-10])
+    elif damage == "empty":
+        f.write_bytes(b"")
+    elif damage == "swap":
+        f.write_bytes((tmp_path / "blocks" / "k1.blk").read_bytes())
+    elif damage == "missing":
+        f.unlink()
+    hits = t.stats.hits
+    if damage in ("none", "missing"):
+        got = t.get_many(keys)
+    else:
+        with pytest.warns(RuntimeWarning, match="corrupt"):
+            got = t.get_many(keys)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if i == 2 and damage != "none":
+            assert g is None
+        else:
+            assert g.keys() == w.keys() and all(torch.equal(g[n], w[n]) for n in w)
+            assert g["s"].dtype == torch.float16 and g["codes"].shape == (1, 3, 16, 32)
+    assert t.stats.hits - hits == (5 if damage == "none" else 4)
+    assert t.get_many([]) == []
+
+
+def test_get_many_with_qtensor_blocks_and_unseen_keys(tmp_path):
+    q = quantize(torch.randn(1, 3, 16, 64), "uint4", granularity=PerGroup(16, axis=-2))
+    DiskTier(tmp_path).put("q", {"k": q})
+    DiskTier(tmp_path).put("p", blk(3))
+    t = DiskTier(tmp_path)  # reopened: nothing read yet, so both take the checked path first
+    got = t.get_many(["q", "p", "absent"])
+    assert torch.equal(got[0]["k"].dequantize(), q.dequantize()) and got[1]["i"].item() == 3
+    assert got[2] is None and t.stats.misses == 1
+    again = t.get_many(["p", "q"])  # p now through the batched reader
+    assert again[0]["i"].item() == 3 and torch.equal(again[1]["k"].dequantize(), q.dequantize())

@@ -28,22 +28,25 @@ _LOADED: dict[tuple, object] = {}
 _MISSING = object()
 
 
-def load_cpp(name: str, source: str, functions: list[str], extra_cflags: list[str] | None = None):
+def load_cpp(name: str, source: str, functions: list[str], extra_cflags: list[str] | None = None,
+             extra_ldflags: list[str] | None = None):
     if os.environ.get("LESSMEM_NO_CPP") == "1":
         return None
-    fast_key = (name, source, tuple(extra_cflags or ()))
+    fast_key = (name, source, tuple(extra_cflags or ()), tuple(extra_ldflags or ()))
     mod = _LOADED.get(fast_key, _MISSING)
     if mod is not _MISSING:
         return mod
-    mod = _load(name, source, functions, extra_cflags)
+    mod = _load(name, source, functions, extra_cflags, extra_ldflags)
     _LOADED[fast_key] = mod
     return mod
 
 
-def _load(name: str, source: str, functions: list[str], extra_cflags: list[str] | None):
+def _load(name: str, source: str, functions: list[str], extra_cflags: list[str] | None,
+          extra_ldflags: list[str] | None = None):
     import torch
 
-    key = hashlib.sha256((source + torch.__version__ + str(extra_cflags)).encode()).hexdigest()[:12]
+    key = hashlib.sha256((source + torch.__version__ + str(extra_cflags) + str(extra_ldflags or "")
+                          ).encode()).hexdigest()[:12]
     full = f"{name}_{key}"
     with _LOCK:
         if full in _MODULES:
@@ -59,7 +62,7 @@ def _load(name: str, source: str, functions: list[str], extra_cflags: list[str] 
                 cpp_sources=[source],
                 functions=functions,
                 extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
+                extra_ldflags=["-fopenmp", *(extra_ldflags or [])],
                 build_directory=str(cache_dir("kernels", full)),
                 verbose=False,
             )

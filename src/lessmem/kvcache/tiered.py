@@ -465,7 +465,18 @@ class TieredKVCache(KVCache):
     def _gather(self, layer: TieredKVLayer, keys: list[str], pending) -> list[dict]:
         """The layer's blocks in order (device-tier blocks by reference, lower-tier blocks
         as the copies just read) plus the partial block."""
-        parts = [self._fetch(k) for k in keys]
+        parts = [self.device_tier.get(k, touch=False) for k in keys]
+        todo = [i for i, p in enumerate(parts) if p is None]
+        for t in self.lower:  # the rest in one batch per tier (DiskTier: one GIL-free call)
+            if not todo:
+                break
+            got = t.get_many([keys[i] for i in todo]) if hasattr(t, "get_many") else \
+                [t.get(keys[i]) for i in todo]
+            for i, b in zip(todo, got, strict=True):
+                parts[i] = b
+            todo = [i for i in todo if parts[i] is None]
+        for i in todo:  # moved between tiers meanwhile, or lost: look again, or raise
+            parts[i] = self._fetch(keys[i])
         if pending is not None:
             parts.append(pending)
         dev = layer.device

@@ -9,7 +9,9 @@ used) and removes temp files left by dead writers. A block that is missing, trun
 or fails its checksum is reported as a miss with a warning (``stats.corrupt``) and moved
 aside to ``<key>.blk.corrupt`` — never returned as data. A full disk (``ENOSPC``) or a
 block over ``capacity`` raises :class:`TierFullError` after removing the temp file; no
-partial block becomes visible.
+partial block becomes visible. ``get_many`` reads a batch of blocks this store has seen in
+one GIL-free call (:mod:`lessmem.offload.fastread`, same checks) — what a tiered cache
+does for each layer at every decoding step.
 
 Example:
     >>> import tempfile, torch
@@ -30,7 +32,15 @@ import warnings
 from collections import OrderedDict
 from pathlib import Path
 
-from .serialize import CorruptBlockError, pack_block, unpack_block
+from . import fastread
+from .serialize import (
+    HEADER_BYTES,
+    CorruptBlockError,
+    _parse_header,
+    pack_block,
+    read_header,
+    unpack_block,
+)
 from .tier import Tier, TierFullError, check_key
 
 _counter = itertools.count()
@@ -62,6 +72,7 @@ class DiskTier(Tier):
         except OSError as e:
             raise ValueError(f"disk tier path {str(path)!r} is not a usable directory: {e}") from e
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._headers: dict[str, tuple[bytes, tuple]] = {}  # key -> (header, table) seen: get_many
         self._held = 0
         self._scan()
 
@@ -89,6 +100,7 @@ class DiskTier(Tier):
         return self.dir / f"{key}.blk"
 
     def _forget(self, key: str) -> None:
+        self._headers.pop(key, None)
         size = self._index.pop(key, None)
         if size is not None:
             self._held -= size
@@ -125,6 +137,7 @@ class DiskTier(Tier):
             self._forget(key)
             self._index[key] = n
             self._held += n
+            self._remember(key, blob)
             self.stats.puts += 1
             self._timed(False, n, t0)
 
@@ -175,6 +188,7 @@ class DiskTier(Tier):
                     pass
             return None
         with self._lock:
+            self._remember(key, blob)
             self.stats.bytes_read += len(blob)
             if key in self._index:
                 self._index.move_to_end(key)
@@ -182,6 +196,46 @@ class DiskTier(Tier):
                 self._index[key] = len(blob)
                 self._held += len(blob)
         return block
+
+    def _remember(self, key: str, blob) -> None:
+        """Keep a verified block's header (and its tensor table) for ``get_many``."""
+        hlen, plen, _ = read_header(memoryview(blob)[:HEADER_BYTES])
+        header = bytes(memoryview(blob)[HEADER_BYTES:HEADER_BYTES + hlen])
+        table, qdesc, _ = _parse_header(header, plen)
+        if not qdesc:  # plain tensors only; QTensor blocks take the Python path
+            self._headers[key] = (header, table)
+
+    def get_many(self, keys: list[str]) -> list[dict | None]:
+        """``[get(k) for k in keys]``, in one GIL-free batch for the blocks this store has
+        read or written before (:mod:`lessmem.offload.fastread`); the others, and any
+        that fail a check there, go through ``get`` (which reports corruption)."""
+        for k in keys:
+            check_key(k)
+        with self._lock:
+            known = [(i, k, *self._headers[k]) for i, k in enumerate(keys) if k in self._headers]
+        out: list[dict | None] = [None] * len(keys)
+        done = set()
+        if known and fastread.available():
+            t0 = time.perf_counter()
+            got = fastread.read_blocks([os.path.join(self._dirname, k + ".blk") for _, k, _, _ in known],
+                                       [h for _, _, h, _ in known], [t for _, _, _, t in known])
+            n_bytes = 0
+            with self._lock:
+                for (i, k, _, _), block in zip(known, got, strict=True):
+                    if block is None:
+                        continue
+                    out[i] = block
+                    done.add(i)
+                    n_bytes += self._index.get(k, 0)
+                    if k in self._index:
+                        self._index.move_to_end(k)
+                self.stats.hits += len(done)
+                self.stats.bytes_read += n_bytes
+                self.stats.read_seconds += time.perf_counter() - t0
+        for i, k in enumerate(keys):
+            if i not in done:
+                out[i] = self.get(k)
+        return out
 
     def get(self, key: str) -> dict | None:
         check_key(key)
