@@ -157,6 +157,7 @@ from lessmem.kvcache.tiered import TieredKVCache, cache_kwargs
 from lessmem.offload import DiskTier
 quick, store, mode, steps, ids = sys.argv[2] == "1", sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
 model, tok, cfg, bt = b.load_model(quick)
+bt = int(sys.argv[8])
 enable(model)
 ids = torch.load(ids)
 gc.collect()
@@ -200,12 +201,12 @@ def rss_bytes() -> int:
         return 0
 
 
-def rss_phase(quick, steps, disk_share, root: Path) -> dict:
+def rss_phase(quick, steps, disk_share, root: Path, block_tokens: int) -> dict:
     """Peak RSS of fresh processes decoding from the saved state: all-in-RAM vs tiered."""
     out = {}
     for mode in ("memory", "tiered"):
         cmd = [sys.executable, "-c", CHILD, str(Path(__file__).resolve().parent), "1" if quick else "0",
-               str(root / "rss-store"), mode, str(steps), str(root / "ids.pt"), str(disk_share)]
+               str(root / "rss-store"), mode, str(steps), str(root / "ids.pt"), str(disk_share), str(block_tokens)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if p.returncode:
             raise RuntimeError(p.stderr[-2000:])
@@ -222,6 +223,8 @@ def main() -> int:
     p.add_argument("--contexts", default=None, help="comma-separated context lengths (default 4096,8192)")
     p.add_argument("--steps", type=int, default=None, help="decode steps per variant (default 24)")
     p.add_argument("--disk-share", type=float, default=0.75, help="share of the blocks on disk")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help="tokens per stored block (default 256, the cache's default; 16 with --quick)")
     p.add_argument("--no-rss", action="store_true", help="skip the subprocess peak-RSS phase "
                    "(always skipped with --quick)")
     args = p.parse_args()
@@ -233,6 +236,7 @@ def main() -> int:
     contexts = [int(x) for x in (args.contexts or ("320" if args.quick else "4096,8192")).split(",")]
     steps = args.steps or (4 if args.quick else 24)
     model, tok, cfg, block_tokens = load_model(args.quick)
+    block_tokens = args.block_tokens or block_tokens
     enable(model)
     h = header(model="tiny-random-24L" if args.quick else "smollm2-135m", kv_preset="int4",
                window=cfg.window, block_tokens=block_tokens, contexts=contexts, steps=steps,
@@ -251,7 +255,7 @@ def main() -> int:
             if not res["bit_exact"]:
                 raise SystemExit("tiered logits differ from the in-memory cache")
             if rss:
-                res["rss"] = rss_phase(args.quick, 8, args.disk_share, root)
+                res["rss"] = rss_phase(args.quick, 8, args.disk_share, root, block_tokens)
                 print(f"peak RSS of the KV part (MiB): {res['rss']['kv_rss_mib']}, "
                       f"process peak drop {res['rss']['peak_rss_drop_mib']:.1f} MiB")
             results["contexts"].append(res)
