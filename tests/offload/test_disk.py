@@ -30,12 +30,8 @@ def test_reopened_store_serves_what_it_held(tmp_path):
     assert t2.stats.hits == 1 and t2.stats.bytes_read > 0
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "swap", "missing"])
-def test_damaged_block_is_a_miss_never_data(tmp_path, damage):
-    t = DiskTier(tmp_path)
-    t.put("a", blk(1))
-    t.put("b", blk(2))
-    f = tmp_path / "blocks" / "a.blk"
+def _damage(f: Path, damage: str, other: Path) -> None:
+    """Damage block file ``f`` in place (``other``: a valid block under another key)."""
     data = bytearray(f.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 1
@@ -45,9 +41,17 @@ def test_damaged_block_is_a_miss_never_data(tmp_path, damage):
     elif damage == "empty":
         f.write_bytes(b"")
     elif damage == "swap":  # a valid block under the wrong name
-        f.write_bytes((tmp_path / "blocks" / "b.blk").read_bytes())
-    else:
+        f.write_bytes(other.read_bytes())
+    elif damage == "missing":
         f.unlink()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "swap", "missing"])
+def test_damaged_block_is_a_miss_never_data(tmp_path, damage):
+    t = DiskTier(tmp_path)
+    t.put("a", blk(1))
+    t.put("b", blk(2))
+    _damage(tmp_path / "blocks" / "a.blk", damage, tmp_path / "blocks" / "b.blk")
     if damage == "missing":
         assert t.get("a") is None and t.stats.corrupt == 0
     else:
@@ -157,19 +161,7 @@ def test_get_many_equals_get_and_never_returns_damaged_data(tmp_path, monkeypatc
         t.put(k, {"codes": torch.randint(0, 255, (1, 3, 16, 32), dtype=torch.uint8), "i": torch.tensor([i]),
                   "s": torch.rand(1, 3, 16, 1).half()})
     want = [t.get(k) for k in keys]
-    f = tmp_path / "blocks" / "k2.blk"
-    data = bytearray(f.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 1
-        f.write_bytes(data)
-    elif damage == "truncate":
-        f.write_bytes(data[:-10])
-    elif damage == "empty":
-        f.write_bytes(b"")
-    elif damage == "swap":
-        f.write_bytes((tmp_path / "blocks" / "k1.blk").read_bytes())
-    elif damage == "missing":
-        f.unlink()
+    _damage(tmp_path / "blocks" / "k2.blk", damage, tmp_path / "blocks" / "k1.blk")
     hits = t.stats.hits
     if damage in ("none", "missing"):
         got = t.get_many(keys)
