@@ -32,7 +32,10 @@ chained hash of the token prefix, the model id and the cache config, so another 
 process or machine sharing a tier finds them. ``save_prefix(ids, logits)`` persists the
 state after a prompt (blocks to every lower tier, plus one record with the sinks,
 windows, partial blocks and the last logits); ``restore_prefix(ids)`` in a fresh cache
-loads that state instead of recomputing it — ``prefill(model, ids)`` does both.
+loads that state instead of recomputing it — ``prefill(model, ids)`` does both. A prompt
+that only *starts* like a stored one loads the blocks of the shared prefix
+(``restore_blocks``: the longest run of leading blocks every layer has, plus the exact
+sinks) and computes the rest, so requests sharing a system prompt or a document skip it.
 
 Example:
     >>> import torch, tempfile
