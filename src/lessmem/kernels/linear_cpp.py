@@ -14,23 +14,27 @@ scales are read as stored (fp16), zero points as uint8:
 to 16-bit fixed point, ``x̂ = d·q`` with ``d = max|x_g| / 32258`` and ``q = round(x / d)``
 (so ``|x − x̂| ≤ d/2``: relative error ≤ 1.55e-5 of the group's largest activation;
 ``linear_reference.quantize_act16`` is the twin), and split ``q = 256·hi + lo`` into two
-int8 halves (hi in [−126, 126], lo in [−128, 127]). Codes are decoded 32 at a time into bytes (2-bit: one 8-byte broadcast, a
-per-qword shift by 0/2/4/6, a mask; 4-bit: one 16-byte broadcast, shift 0/4; 3-bit: a byte
-shuffle, then AVX-512 VBMI multishift or, without it, shifts and masks), and multiplied
-with the halves by ``dpbusd`` (AVX-512 VNNI) or ``maddubs`` + ``madd`` (AVX2) into int32:
+int8 halves (hi in [−126, 126], lo in [−128, 127]). Codes are decoded 32 at a time into
+bytes (2-bit: one 8-byte broadcast, a per-qword shift by 0/2/4/6, a mask; 4-bit: one
+16-byte broadcast, shift 0/4; 3-bit: a byte shuffle, then AVX-512 VBMI multishift or,
+without it, shifts and masks), and multiplied with the halves by ``dpbusd`` (AVX-512 VNNI)
+or ``maddubs`` + ``madd`` (AVX2) into int32:
 
     y[m, n] = Σ_g s[n, g] · d[m, g] · (256·Σ_{k∈g} u·hi + Σ_{k∈g} u·lo − z[n, g] · Σ_{k∈g} q)
 
-The int8 halves are laid out per 32-code block in the order the decode produces, so
-the hot loop has no shuffles; scales are applied once per group in float. Up to 4
-activation rows share one decode (batch 2..16 runs in tiles of 4 rows). Layers with
-fewer than ``PAR_MIN_WORK`` multiply-adds run on one thread (an OpenMP region's wake-up
-costs more than they take). Without AVX2/FMA/F16C (or built with ``-DLESSMEM_NO_SIMD``)
-the same integer math runs in plain C++; ``-DLESSMEM_NO_VNNI`` / ``-DLESSMEM_NO_VBMI``
-select the AVX2 fallbacks (the tests build all three). Group sizes: multiples of 32.
+The int8 halves are laid out per 32-code block in the order the decode produces, so the
+hot loop has no shuffles; per group, ``256·hi_sum + lo_sum`` is formed in int32 and scaled
+once in float. The zero-point term and the factors ``s·d`` are computed per weight row in
+8-lane steps over the groups. Up to 4 activation rows share one decode (batch 2..16 runs in
+tiles of 4 rows). Layers with fewer than ``PAR_MIN_WORK`` multiply-adds run on one thread
+(an OpenMP region's wake-up costs more than they take). Without AVX2/FMA/F16C (or built with
+``-DLESSMEM_NO_SIMD``) the same integer math runs in plain C++; ``-DLESSMEM_NO_VNNI`` /
+``-DLESSMEM_NO_VBMI`` select the AVX2 fallbacks (the tests build all three). Group sizes:
+multiples of 32, at most 32768.
 
-Decoding reads up to 16 bytes from a block's start, past the buffer's end on its last
-row, so that row is decoded from a padded copy.
+Decoding reads up to 16 bytes from a block's start, and the group vectors are read in
+8-wide steps: where that would pass the end of the codes / scales / zero points, the row is
+read from a zero-padded copy.
 
 When no compiler is available each function falls back to the pure-torch twin in
 ``linear_reference`` (same math, slower).

@@ -20,6 +20,7 @@ held tensors directly, so there are no derived copies to go stale after ``load_s
 Example:
     >>> import torch
     >>> from lessmem.weights.qlinear import QuantLinear
+    >>> _ = torch.manual_seed(0)
     >>> lin = torch.nn.Linear(128, 64)
     >>> q = QuantLinear.from_linear(lin, bits=4, group_size=32, symmetric=False)
     >>> x = torch.randn(2, 128)
