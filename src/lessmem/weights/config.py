@@ -297,10 +297,10 @@ class GGUFConfig:
     Example:
         >>> GGUFConfig("Q4_K_M").type
         'Q4_K_M'
-        >>> GGUFConfig("Q3_K_XL")
+        >>> GGUFConfig("Q3_K_XL")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: GGUF type 'Q3_K_XL' is not supported; allowed: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K
+        ValueError: GGUF type 'Q3_K_XL' is not supported; allowed: Q4_0, Q4_1, Q8_0, ..., Q6_K
     """
 
     type: str = "Q4_K_M"
