@@ -166,3 +166,22 @@ def test_fused_and_blas_paths_agree():
         x = torch.randn(FUSED_MAX_ROWS + 1, 96)
         torch.testing.assert_close(q(x[:FUSED_MAX_ROWS]), q(x)[:FUSED_MAX_ROWS],
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,gs,sym", [(2, 64, False), (3, 64, False), (4, 64, False), (8, None, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_dtype_change_keeps_the_stored_format(bits, gs, sym, dtype):
+    # model.to(bf16) after quantizing: scales stay in their stored dtype, forward still runs
+    g = torch.Generator().manual_seed(bits)
+    lin = torch.nn.Linear(256, 64)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 256, generator=g) * 0.05)
+    q = QuantLinear.from_linear(lin, bits=bits, group_size=gs, symmetric=sym)
+    x = torch.randn(3, 256, generator=g)
+    want = q(x)
+    held = {n: b.dtype for n, b in q.named_buffers()}
+    q.to(dtype)
+    assert {n: b.dtype for n, b in q.named_buffers()} == held
+    got = q(x.to(dtype))
+    assert got.dtype == dtype
+    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()

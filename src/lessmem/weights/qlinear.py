@@ -189,6 +189,18 @@ class QuantLinear(nn.Module):
             y = linear_cpp.w8a8_linear(xq, sx, self.qweight, self.scale.view(-1))
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` moves the codes and scales; ``.to(dtype)``/``.half()`` leave the
+        stored formats alone (fp16 scales, bf16 int4pack scales): they are part of the
+        quantized format, not of the model's compute dtype."""
+        held = {n: b.dtype for n, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for n, dt in held.items():
+            b = self._buffers.get(n)
+            if b is not None and b.dtype != dt:
+                self._buffers[n] = b.to(dt)
+        return self
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, symmetric={self.symmetric}, layout={self.layout}"
