@@ -15,16 +15,14 @@ K % 256 == 0, so 576×1536 has only the legacy types (llama.cpp falls back the s
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import header, parser, write_result  # noqa: E402
+from common import header, interleaved, parser, write_result  # noqa: E402
 
 from lessmem.formats.gguf import GGUF_TYPES, quantize_gguf  # noqa: E402
 from lessmem.kernels import gguf_linear_cpp  # noqa: E402
@@ -48,20 +46,6 @@ def check(q: GGUFLinear) -> float:
     if err > 1e-5:
         raise SystemExit(f"reference check failed for {q.extra_repr()}: rel err {err:.3g}")
     return err
-
-
-def interleaved(fns: dict, x: torch.Tensor, repeat: int, warmup: int = 3) -> dict:
-    """Median seconds per callable, timed round-robin."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f(x)
-    ts = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f(x)
-            ts[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in ts.items()}
 
 
 def main() -> int:

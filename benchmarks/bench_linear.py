@@ -14,15 +14,13 @@ Batch 1 at every shape; batches 4 and 16 (the fused kernel's row tiles) at two s
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import header, parser, write_result  # noqa: E402
+from common import header, interleaved, parser, write_result  # noqa: E402
 
 from lessmem.formats.packing import pack_bits  # noqa: E402
 from lessmem.kernels import linear_cpp  # noqa: E402
@@ -69,20 +67,6 @@ def check(q, lin: torch.nn.Linear) -> float:
     if err > tol:
         raise SystemExit(f"reference check failed for {q}: rel err {err:.3g}")
     return err
-
-
-def interleaved(fns: dict, x: torch.Tensor, repeat: int, warmup: int = 3) -> dict:
-    """Median seconds per callable, timed round-robin so a noisy neighbour hits all alike."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f(x)
-    ts = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f(x)
-            ts[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in ts.items()}
 
 
 def main() -> int:

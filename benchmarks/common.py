@@ -55,6 +55,21 @@ def timeit(fn, repeat: int = 10, warmup: int = 2) -> float:
     return statistics.median(ts)
 
 
+def interleaved(fns: dict, x, repeat: int, warmup: int = 3) -> dict:
+    """Median seconds of each callable ``f(x)``, timed round-robin so a noisy neighbour
+    hits all alike."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f(x)
+    ts = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f(x)
+            ts[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
 def write_result(name: str, data: dict, out: Path | None = None, quick: bool = False) -> Path:
     """Write JSON to ``out`` or ``benchmarks/results/{name}[.quick].json``."""
     path = out or RESULTS / f"{name}{'.quick' if quick else ''}.json"
