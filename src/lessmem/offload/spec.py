@@ -1,17 +1,9 @@
-"""Parsing what users type: byte sizes (``"64MiB"``) and tier lists (``--offload``).
+"""Tier lists as users type them (``--offload``) turned into tier objects.
 
-``parse_offload_spec("host@2GiB,disk:/var/kv@20GiB,redis://127.0.0.1:6379/0")`` gives one
-:class:`TierSpec` per comma-separated entry, fastest first:
-
-- ``device[@SIZE]``                 where attention runs (CUDA memory, or RAM on CPU)
-- ``host[@SIZE]``                   CPU RAM
-- ``disk:PATH[@SIZE]``              a directory (created if missing)
-- ``redis://HOST:PORT/DB[@SIZE]``   a shared Redis store (``rediss://`` and ``unix://`` too)
-
-``@SIZE`` is a capacity in bytes; without it the tier is unbounded (the device budget
-usually comes from ``--kv-budget``). Sizes follow :func:`lessmem.plan.units.parse_bytes`
-(one rule for every command): ``KB``/``MB``/``GB`` are 1000-based, ``KiB``/``MiB``/``GiB``
-and a bare ``K``/``M``/``G`` 1024-based.
+The grammar (:func:`parse_offload_spec`, :class:`TierSpec`) and the one size rule
+(:func:`parse_bytes`) live torch-free in :mod:`lessmem.plan.tierspec` and
+:mod:`lessmem.plan.units`, so the planner reads and writes the same strings; they are
+re-exported here, and :func:`build_tiers` makes the tiers.
 
 Example:
     >>> from lessmem.offload import parse_bytes, parse_offload_spec
@@ -23,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-# the grammar (and the one size rule) are torch-free in lessmem.plan, so the planner reads
-# and writes the same --offload strings; re-exported here
 from lessmem.plan.tierspec import KINDS, TierSpec, format_offload_spec, parse_offload_spec  # noqa: F401
 from lessmem.plan.units import parse_bytes  # noqa: F401
 
