@@ -138,42 +138,20 @@ def test_eval_cli_offload_bad_input_exit_2(model_dir, text_file, capsys, extra, 
     assert match in err and len(err.splitlines()) == 1, err
 
 
-def test_eval_cli_offload_to_redis(model_dir, text_file, tmp_path, capsys):
+def test_eval_cli_offload_to_redis(model_dir, text_file, redis_server, capsys):
     """The remote tier end to end: blocks go to a real (private, loopback) redis-server and
     are removed when the cache closes; the scores stay those of the in-memory cache."""
-    import shutil
-    import socket
-    import subprocess
-    import time
+    import redis
 
-    exe = shutil.which("redis-server")
-    redis = pytest.importorskip("redis")
-    if exe is None:
-        pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-                             "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis.from_url(redis_server.url)
     try:
-        client = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.02)
-        url = f"redis://127.0.0.1:{port}/0"
         assert main(_eval(model_dir, text_file, "--json", "--kv", "int4")) == 0
         plain = json.loads(capsys.readouterr().out)[1]
-        assert main(_eval(model_dir, text_file, "--json", "--kv", "int4", "--offload", url,
+        assert main(_eval(model_dir, text_file, "--json", "--kv", "int4", "--offload", redis_server.url,
                           "--kv-budget", "80KiB", "--block-tokens", "32")) == 0
         row = json.loads(capsys.readouterr().out)[1]
         assert (row["ppl"], row["kld"], row["top1"]) == (plain["ppl"], plain["kld"], plain["top1"])
         assert row["offload"]["tiers"]["remote"] > 0, row["offload"]
         assert client.dbsize() == 0  # the closed cache removed its session blocks
-        client.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        client.close()
