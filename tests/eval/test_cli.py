@@ -104,6 +104,15 @@ def test_generate_offloads_blocks_to_the_named_tier(model_dir, capsys, tmp_path)
     tiers = out.split("tiers: ", 1)[1].splitlines()[0]
     assert tiers.startswith("device") and "disk " in tiers
     assert not tiers.endswith("disk 0 B"), out  # quantized blocks went down to disk
+    assert "instead of computed: 0" in out
+    # the same prompt again over the same store: the prompt's state is loaded, not computed,
+    # and greedy decoding continues exactly as before
+    rc = main(["generate", prompt, "--model", str(model_dir), "--kv", "int4", "--raw",
+               "--max-new-tokens", "4", "--offload", f"disk:{store}", "--kv-budget", "100KiB"])
+    again = capsys.readouterr().out
+    assert rc == 0 and again.split("\n--- KV cache")[0] == out.split("\n--- KV cache")[0]
+    n_prompt = int(out.split("--- KV cache int4: ", 1)[1].split(" prompt")[0])
+    assert f"instead of computed: {n_prompt - 1}" in again, again
 
 
 def test_generate_offload_bad_input_exit_2(model_dir, capsys):

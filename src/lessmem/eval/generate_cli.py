@@ -5,7 +5,9 @@ as is). At the end the KV bytes held are printed by part.
 
 With ``--offload`` (and optionally ``--kv-budget``) the cache is a ``TieredKVCache``:
 the quantized blocks beyond the device budget go down the named tiers, and the bytes
-held per tier are printed at the end.
+held per tier are printed at the end. The prompt is prefilled in chunks of the block
+size and its state saved in the tiers, so running the same prompt again (or one that
+starts the same way) over the same store loads it instead of computing it.
 
 Example:
     $ lessmem generate "Why is the sky blue?" --kv int4 --max-new-tokens 64
@@ -150,7 +152,15 @@ def run(args) -> int:
         gen["pad_token_id"] = tok.eos_token_id
     from lessmem.kvcache import enable
 
+    reused = None
     with torch.inference_mode(), enable(model):  # fused attention over the quantized blocks
+        ids = enc["input_ids"]
+        if hasattr(cache, "prefill") and ids.shape[0] == 1 and ids.shape[1] > 1:
+            # a tiered cache takes the prompt (all but its last token) in chunks of its block
+            # size, so blocks are sealed and placed as they fill instead of one huge chunk
+            # emptying the device tier; a stored prefix of it is loaded, not recomputed
+            cache.prefill(model, ids[:, :-1])
+            reused = cache.prefix_tokens_reused + (ids.shape[1] - 1) * cache.prefill_skipped
         out = model.generate(**enc, **{cache_kwarg(model): cache}, **gen)
     n_new = out.shape[1] - enc["input_ids"].shape[1]
     mem = measure_memory(cache)
@@ -161,6 +171,8 @@ def run(args) -> int:
     if pl is not None:
         for line in placement_lines(pl):
             print(line)
+    if reused is not None:
+        print(f"prompt tokens loaded from the tiers instead of computed: {reused}")
     close = getattr(cache, "close", None)
     if callable(close):
         close()

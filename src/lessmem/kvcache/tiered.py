@@ -554,8 +554,7 @@ class TieredKVCache(KVCache):
                 want = self._key_for(la, idx)
                 missing = [t for t in self.lower if not t.contains(want)]
                 block = self._fetch(key) if missing else None  # stored blocks are not read again
-                for t in missing:
-                    t.put(want, block)
+                self._put_some(missing, want, block)
                 if key != want:  # a session key becomes the shareable content key
                     self.stack.delete(key)
                     la.block_keys[idx] = want
@@ -567,16 +566,26 @@ class TieredKVCache(KVCache):
             for k, t in (la.pending or {}).items():
                 rec[f"L{i}.p.{k}"] = t
         key = self._state_key(ids)
-        for t in self.lower:
-            t.put(key, rec)
+        self._put_some(self.lower, key, rec)
         s = self.kv_config.sinks
         if s and len(ids) >= s:  # the exact sinks, for prompts that share only a prefix with this one
             srec = {k: v for k, v in rec.items() if ".sinks_" in k or k.endswith(".probe")}
             skey = self._sinks_key(ids[:s])
-            for t in self.lower:
-                if not t.contains(skey):
-                    t.put(skey, srec)
+            self._put_some([t for t in self.lower if not t.contains(skey)], skey, srec)
         return key
+
+    @staticmethod
+    def _put_some(tiers: list, key: str, block: dict) -> None:
+        """Put into every tier that can take it (a small host tier may not hold a prompt's
+        state record); TierFullError only when none of them could."""
+        errors = []
+        for t in tiers:
+            try:
+                t.put(key, block)
+            except TierFullError as e:
+                errors.append(f"{t.name}: {e}")
+        if tiers and len(errors) == len(tiers):
+            raise TierFullError(f"no tier can store {key!r}: " + "; ".join(errors))
 
     def _sinks_key(self, ids) -> str:
         return "sinks-" + sequence_hash(ids, self.model_id, self.key_config)
