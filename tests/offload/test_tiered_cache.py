@@ -292,3 +292,18 @@ def test_prompt_sharing_only_a_prefix_reuses_its_blocks(tmp_path, sinks):
     assert c.prefix_tokens_reused == 0
     for x in (b, full, c):
         x.close()
+
+
+def test_prompt_state_goes_to_the_tiers_that_can_hold_it(tmp_path):
+    # a small host tier cannot take the state record: it is stored on disk, and a later
+    # cache over that disk restores the prompt
+    m = _gen.model()
+    ids = _gen.prompt(150)
+    a = TieredKVCache(m.config, _gen.CFG, tiers=f"host@4KiB,disk:{tmp_path}", block_tokens=32, model_id="tiny")
+    logits = a.prefill(m, ids)
+    key = a._state_key(ids[0].tolist())
+    assert not a.lower[0].contains(key) and a.lower[1].contains(key) and a.lower[0].nbytes <= 4096
+    a.close()
+    b = TieredKVCache(m.config, _gen.CFG, tiers=f"disk:{tmp_path}", block_tokens=32, model_id="tiny")
+    assert torch.equal(b.restore_prefix(ids[0]), logits) and b.prefill_skipped == 1
+    b.close()
