@@ -25,10 +25,10 @@ plain loop of 16.
 
 Layers under ~1M weights run on one thread. Larger ones use a small thread pool rather
 than OpenMP: an OpenMP region ends with a barrier on every thread, so on a machine with
-more runnable processes than cores one descheduled thread made a 1.3 ms call take 10-16 ms;
-here the caller waits only for chunks a helper has claimed, so at worst it runs at
-one-thread speed. Measure speed-ups on a quiet machine (``benchmarks/bench_gguf_linear.py``
-records the load average).
+more runnable processes than cores one descheduled thread holds up the whole call; here
+the caller waits only for chunks a helper has claimed, so at worst it runs at one-thread
+speed. Measure speed-ups on a quiet machine (``benchmarks/bench_gguf_linear.py`` records
+the load average).
 
 When no compiler is available the functions fall back to ``gguf_linear_reference``.
 
@@ -542,8 +542,8 @@ def gguf_linear_prechecked(x: torch.Tensor, raw: torch.Tensor, t, out_features: 
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``gguf_linear`` without the argument checks, for callers that validated ``raw`` against
     ``[out_features, x.shape[-1]]`` once (``GGUFLinear``): ``t`` is a ``GGUFType``. Shapes,
-    dtype and bias are handled in C++: ~5 us per call instead of ~20 us of Python, which at
-    210 linears per token is milliseconds."""
+    dtype and bias are handled in C++, so the per-call Python overhead, paid by every linear
+    of every decoded token, stays small."""
     m = _mod()
     if m is None or x.device.type != "cpu" or raw.device.type != "cpu":  # CPU kernel only
         w = ref.gguf_weight_ref(raw, t, out_features).to(x.device)
