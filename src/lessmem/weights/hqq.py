@@ -22,8 +22,8 @@ see (w − W_hat)/s0), so β means the same for a model whose weights are 0.02 o
 an error counts as a sparse outlier above β^(−1/(2−p)) steps (≈15 at the default β = 0.03,
 p = 0.7). The paper's β = 10 acts on raw weights: on 7B-class weights (scale ≈ 0.01) that
 is a threshold of ≈ 0.17 ≈ 10–20 steps, but on SmolLM2-135M's 10x wider weights it is ≈ 1
-step, which clips real outliers and measured worse than RTN there (3-bit g64: +247% vs
-+238% perplexity); ``hqq_groups(..., code_units=False)`` keeps the paper's raw units.
+step, which clips real outliers; ``hqq_groups(..., code_units=False)`` keeps the paper's
+raw units.
 
 Storage constraint: ``QuantLinear`` holds zero points as uint8 code units, and HQQ's zero is
 fractional. So a second phase fixes an integer zero point — phase 1's, rounded, and RTN's
@@ -31,10 +31,10 @@ fractional. So a second phase fixes an integer zero point — phase 1's, rounded
 u − z>``, stored as fp16 each step, so what is evaluated is what is stored): the scale
 absorbs part of what the rounded zero lost. Each group keeps, among RTN's own (scale,
 zero) and every phase-2 iterate, the one with the smallest φ — so φ is never worse than
-RTN's, group by group. (Measured on SmolLM2, 3-bit g64: keeping the fractional zero, fake
-quantized, lowers the weight error yet made perplexity 3x worse than RTN — a grid without an
-exact 0 gives every near-zero weight of a group the same offset, an error that adds up over
-the group's inputs instead of averaging out; the integer zero keeps 0 on the grid.)
+RTN's, group by group. (A fractional zero, fake quantized, can lower the weight error yet
+hurt perplexity: a grid without an exact 0 gives every near-zero weight of a group the same
+offset, an error that adds up over the group's inputs instead of averaging out; the integer
+zero keeps 0 on the grid.)
 Symmetric configs (zero fixed at 2^(b−1), and the
 per-channel int8 of ``bits=8``) run only the scale phase.
 
