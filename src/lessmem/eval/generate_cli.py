@@ -160,7 +160,7 @@ def run(args) -> int:
             # size, so blocks are sealed and placed as they fill instead of one huge chunk
             # emptying the device tier; a stored prefix of it is loaded, not recomputed
             cache.prefill(model, ids[:, :-1])
-            reused = cache.prefix_tokens_reused + (ids.shape[1] - 1) * cache.prefill_skipped
+            reused = cache.prefix_tokens_reused
         out = model.generate(**enc, **{cache_kwarg(model): cache}, **gen)
     n_new = out.shape[1] - enc["input_ids"].shape[1]
     mem = measure_memory(cache)

@@ -313,7 +313,7 @@ class TieredKVCache(KVCache):
         self.device_peak = 0
         self.over_budget = 0  # reads at which even an empty device tier could not meet the budget
         self.prefill_skipped = 0
-        self.prefix_tokens_reused = 0  # prompt tokens restore_blocks loaded instead of computing
+        self.prefix_tokens_reused = 0  # prompt tokens loaded from the tiers instead of computed
         self._hashes: list[str] = []
         self._version = 0  # bumped whenever a layer's blocks or partial block change
         self._sums: dict[str, tuple] = {}
@@ -676,10 +676,11 @@ class TieredKVCache(KVCache):
             la.n_pending = la.n_history - n_blocks * self.block_tokens
             pend = {k.split(".p.", 1)[1]: t.to(dev) for k, t in rec.items() if k.startswith(f"L{i}.p.")}
             la.pending = pend or None
-            self._version += 1
             la.length = int(rec["length"][0])
             la.part_bytes = self._part_bytes_of(la, keys)
+        self._version += 1
         self.prefill_skipped += 1
+        self.prefix_tokens_reused += len(ids)
         return rec.get("logits", torch.empty(0))
 
     def _part_bytes_of(self, la: TieredKVLayer, keys: list[str]) -> dict[str, int]:
