@@ -141,6 +141,16 @@ def tensor_type(ftype: str, name: str, n_cols: int, n_layers: int, has_output: b
         typ = base
     else:
         typ = _by_role(f, name, i, n_layers, n_gqa, n_expert, base)
+    return row_fallback(typ, n_cols)
+
+
+def row_fallback(typ: str, n_cols: int) -> str:
+    """``typ``, or llama.cpp's replacement (then F16) when its block does not divide ``n_cols``.
+
+    Example:
+        >>> row_fallback("q4_k", 576), row_fallback("q4_k", 512), row_fallback("q8_0", 50)
+        ('q5_0', 'q4_k', 'f16')
+    """
     if n_cols % GGUF_TYPES[typ][0]:
         typ = FALLBACK.get(typ, "f16")
         if n_cols % GGUF_TYPES[typ][0]:

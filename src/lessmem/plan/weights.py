@@ -31,7 +31,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from .gguf_rules import FALLBACK, FILE_TYPES, GGUF_TYPES, type_bytes  # noqa: F401  (re-export)
+from .gguf_rules import FALLBACK, FILE_TYPES, GGUF_TYPES, row_fallback, type_bytes  # noqa: F401  (re-export)
 from .gguf_rules import tensor_type as _file_tensor_type
 
 # llama.cpp file types that are mixes (the rest share their name with a GGUF type)
@@ -158,11 +158,7 @@ def tensor_bytes(fmt: WeightFormat, t, n_layers: int, keep_embeddings: bool = Fa
     if fmt.gguf_type.upper() in FILE_TYPES:  # a llama.cpp file type: its per-tensor rules
         typ = mix_type(fmt.gguf_type, t, n_layers, tied, n_gqa)
     else:  # a bare GGUF type everywhere, with llama.cpp's row-length fallback
-        typ = fmt.gguf_type
-        if t.cols % GGUF_TYPES[typ][0]:
-            typ = FALLBACK.get(typ, "f16")
-            if t.cols % GGUF_TYPES[typ][0]:
-                typ = "f16"
+        typ = row_fallback(fmt.gguf_type, t.cols)
     return type_bytes(typ, t.rows, t.cols), typ
 
 
