@@ -27,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,8 +95,8 @@ class GGUFLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor the layer holds (raw blocks + bias)."""
-        return sum(t.numel() * t.element_size() for t in self.buffers()) + (
-            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return sum(t.numel() * t.element_size()
+                   for t in itertools.chain(self.buffers(), self.parameters()))
 
     def dequantized_weight(self) -> torch.Tensor:
         """float32 ``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf`` (a new tensor)."""
