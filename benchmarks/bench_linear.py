@@ -41,21 +41,19 @@ class LowbitInt4(torch.nn.Module):
 
     def __init__(self, q: QuantLinear):
         super().__init__()
-        self.codes = pack_bits(q.codes(), 4)
-        self.scale, self.zero, self.bias = q.scales().contiguous(), q.zero().contiguous(), q.bias
+        self._qw = q.quantized_weight()  # plain codes u [N, K], fp16 scale and uint8 zero [N, G]
+        self.codes = pack_bits(self._qw.codes, 4)
+        self.scale, self.zero, self.bias = self._qw.scale.contiguous(), self._qw.zero.contiguous(), q.bias
         self.gs, self.layout = q.group_size, "lowbit"
         self.nbytes = sum(t.numel() * t.element_size()
                           for t in (self.codes, self.scale, self.zero, self.bias))
-        self._wq = q
 
     def forward(self, x):
         return linear_cpp.lowbit_linear_unchecked(x, self.codes, 4, self.scale, self.zero,
                                                   self.gs, self.bias)
 
     def dequantized_weight(self):
-        s = self.scale.float().repeat_interleave(self.gs, 1)
-        z = self.zero.float().repeat_interleave(self.gs, 1)
-        return s * (self._wq.codes().float() - z)
+        return self._qw.dequantize()
 
 
 def check(q, lin: torch.nn.Linear) -> float:
