@@ -46,6 +46,13 @@ from .tier import Tier, TierFullError, check_key
 _counter = itertools.count()
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -96,8 +103,9 @@ class DiskTier(Tier):
             self._index[key] = size
             self._held += size
 
-    def _file(self, key: str) -> Path:
-        return self.dir / f"{key}.blk"
+    def _file(self, key: str) -> str:
+        """The block's path (a str: built per block per decoding step, Path is slower)."""
+        return os.path.join(self._dirname, key + ".blk")
 
     def _forget(self, key: str) -> None:
         self._headers.pop(key, None)
@@ -150,14 +158,14 @@ class DiskTier(Tier):
 
     def _evict(self, key: str) -> None:
         block = self._read(key) if self.on_evict is not None else None
-        self._file(key).unlink(missing_ok=True)
+        _unlink(self._file(key))
         self._forget(key)
         self.stats.evictions += 1
         if block is not None:
             self.on_evict(key, block)
 
     def _read(self, key: str) -> dict | None:
-        path = os.path.join(self._dirname, key + ".blk")  # str, not Path: this runs per block per step
+        path = self._file(key)
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -217,7 +225,7 @@ class DiskTier(Tier):
         done = set()
         if known and fastread.available():
             t0 = time.perf_counter()
-            got = fastread.read_blocks([os.path.join(self._dirname, k + ".blk") for _, k, _, _ in known],
+            got = fastread.read_blocks([self._file(k) for _, k, _, _ in known],
                                        [h for _, _, h, _ in known], [t for _, _, _, t in known])
             n_bytes = 0
             with self._lock:
@@ -252,8 +260,8 @@ class DiskTier(Tier):
     def delete(self, key: str) -> bool:
         check_key(key)
         with self._lock:
-            existed = self._file(key).exists()
-            self._file(key).unlink(missing_ok=True)
+            existed = os.path.exists(self._file(key))
+            _unlink(self._file(key))
             self._forget(key)
             self._pinned.discard(key)
             if existed:
@@ -265,7 +273,7 @@ class DiskTier(Tier):
         with self._lock:
             if key in self._index:
                 return True
-        return self._file(key).exists()
+        return os.path.exists(self._file(key))
 
     def keys(self) -> list[str]:
         with self._lock:
