@@ -1,8 +1,7 @@
 """Weight-quantization quality table: bits, size on disk, Δppl, KLD and decode speed vs fp32.
 
 Rows per model: fp32 reference; RTN, GPTQ, AWQ at 4-bit and 3-bit (g128); SmoothQuant
-W8A8; GGUF Q8_0, Q6_K, Q4_K_M, Q4_0 (llama.cpp mix rules); HQQ 4-bit g128 when
-``lessmem.HQQConfig`` exists.
+W8A8; GGUF Q8_0, Q6_K, Q4_K_M, Q4_0 (llama.cpp mix rules); HQQ 4-bit g128.
 
 Protocol (the KV evaluator's, ``lessmem.eval.perplexity``): WikiText-2 raw **test**
 split, tokenized without special tokens, cut by ``make_windows`` into the first
@@ -45,6 +44,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -73,10 +73,11 @@ Q41_NOTE = ("built-in file is Q4_1-quantized (4-bit, groups of 32): its float we
 
 def rows_spec(calib: dict) -> list[tuple[str, object]]:
     c = dict(group_fallback=True, **calib)
-    rows = [
+    return [
         ("RTN 4-bit g128", lessmem.RTNConfig(bits=4, group_size=128, group_fallback=True)),
         ("GPTQ 4-bit g128", lessmem.GPTQConfig(bits=4, group_size=128, **c)),
         ("AWQ 4-bit g128", lessmem.AWQConfig(bits=4, group_size=128, search_samples=4, **c)),
+        ("HQQ 4-bit g128", lessmem.HQQConfig(bits=4, group_size=128, group_fallback=True)),
         ("RTN 3-bit g128", lessmem.RTNConfig(bits=3, group_size=128, group_fallback=True)),
         ("GPTQ 3-bit g128", lessmem.GPTQConfig(bits=3, group_size=128, **c)),
         ("AWQ 3-bit g128", lessmem.AWQConfig(bits=3, group_size=128, search_samples=4, **c)),
@@ -86,14 +87,6 @@ def rows_spec(calib: dict) -> list[tuple[str, object]]:
         ("GGUF Q4_K_M", lessmem.GGUFConfig("Q4_K_M")),
         ("GGUF Q4_0", lessmem.GGUFConfig("Q4_0")),
     ]
-    hqq = getattr(lessmem, "HQQConfig", None)
-    if hqq is not None:
-        try:
-            cfg = hqq(bits=4, group_size=128, group_fallback=True)
-        except TypeError:
-            cfg = hqq(bits=4, group_size=64)  # no fallback option: g64 divides every width here
-        rows.insert(3, (f"HQQ 4-bit g{cfg.group_size}", cfg))
-    return rows
 
 
 def load_model(name: str, quick: bool):
@@ -278,9 +271,7 @@ def disk_bytes(model, report: dict, name: str, tmp: Path, float_model=None) -> t
         lessmem.save_quantized(model, d)
         return _dir_bytes(d), "lessmem.save_quantized (safetensors + config)"
     finally:
-        for f in sorted(d.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        d.rmdir()
+        shutil.rmtree(d)
 
 
 def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> dict:
@@ -332,9 +323,7 @@ def bench_model(name: str, args, test_text: str, calib_text: str, save=None) -> 
                   flush=True)
             del model
     finally:
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        shutil.rmtree(tmp)
     return {"model": name,
             "protocol": {"windows": args.windows, "window_len": wlen, "prefill": prefill,
                          "scored_per_window": wlen - prefill, "window_fn": "lessmem.eval.perplexity.make_windows",
