@@ -50,7 +50,7 @@ def lowbit_linear_ref(x, codes, bits, scale, zero, group_size):
     """x̂ @ W.T in float64, x̂ = d·q from ``quantize_act16``, W from the unpacked codes."""
     n, k = scale.shape[0], x.shape[-1]
     u = unpack_bits(codes, bits, n * k).view(n, k)
-    w = dequant_grouped_weight(u, scale, zero.double(), group_size)
+    w = dequant_grouped_weight(u, scale, zero, group_size)
     q, d = quantize_act16(x, group_size)
     xhat = q.double() * d.double().repeat_interleave(group_size, dim=1)
     return (xhat @ w.T).float()
