@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import re
 
+from ..formats.gguf import GGUF_TYPES
 from ..plan import gguf_rules
 from ..plan.gguf_rules import use_more_bits  # noqa: F401  (re-export)
 
 # file type -> base block type; llama_ftype ids written to general.file_type
 MIXES = {f: base for f, (base, _) in gguf_rules.FILE_TYPES.items()}
 FILE_TYPE_IDS = {f: i for f, (_, i) in gguf_rules.FILE_TYPES.items()}
-ENCODABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+ENCODABLE = tuple(GGUF_TYPES)  # the block types lessmem.formats.gguf encodes
 
 
 def check_mix(mix: str) -> str:
