@@ -167,7 +167,7 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
         ('TieredKVCache', 65536, 'host')
         >>> cache.close()
     """
-    from lessmem.offload import parse_bytes, parse_offload_spec
+    from lessmem.offload import check_block_tokens, parse_bytes, parse_offload_spec
 
     spec = resolve_config(spec)
     if spec.kind != "lessmem" or spec.config is None:
@@ -179,11 +179,8 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
                          "redis://... (the device's size is --kv-budget)")
     budget = None if kv_budget is None else parse_bytes(kv_budget, "--kv-budget")
     preset = spec.config
-    bs = (lessmem_presets()[preset] if isinstance(preset, str) else preset).block_size
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
-            or block_tokens % bs:
-        raise ValueError(f"block_tokens={block_tokens!r}; allowed: a positive multiple of "
-                         f"{spec.name}'s block_size {bs}")
+    check_block_tokens(block_tokens, (lessmem_presets()[preset] if isinstance(preset, str) else preset).block_size,
+                       spec.name)
 
     def make(cfg):
         from lessmem.kvcache.tiered import TieredKVCache

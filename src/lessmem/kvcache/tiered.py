@@ -70,6 +70,7 @@ from ..offload import (
     TierStack,
     block_nbytes,
     build_tiers,
+    check_block_tokens,
     layer_key,
     parse_bytes,
     parse_offload_spec,
@@ -271,11 +272,7 @@ class TieredKVCache(KVCache):
                  attention: str = "auto", model_id: str | None = None,
                  attention_window: int | None = None):
         super().__init__(model_config, config, attention)
-        bs = self.kv_config.block_size
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
-                or block_tokens % bs:
-            raise ValueError(f"block_tokens={block_tokens!r}; allowed: a positive multiple of the "
-                             f"config's block_size {bs}")
+        check_block_tokens(block_tokens, self.kv_config.block_size)
         self.block_tokens = block_tokens
         if attention_window is not None:
             if isinstance(attention_window, bool) or not isinstance(attention_window, int) \

@@ -19,6 +19,15 @@ from lessmem.plan.tierspec import KINDS, TierSpec, format_offload_spec, parse_of
 from lessmem.plan.units import parse_bytes  # noqa: F401
 
 
+def check_block_tokens(block_tokens, block_size: int, owner: str = "the config") -> None:
+    """ValueError unless ``block_tokens`` (tokens per stored KV block) is a positive multiple
+    of the cache config's ``block_size`` (``owner`` names that config in the message)."""
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
+            or block_tokens % block_size:
+        raise ValueError(f"block_tokens={block_tokens!r}; allowed: a positive multiple of "
+                         f"{owner}'s block_size {block_size}")
+
+
 def build_tiers(tiers) -> list:
     """Tier objects from a spec string, or a list of :class:`TierSpec` / Tier objects.
 
