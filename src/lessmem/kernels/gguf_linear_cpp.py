@@ -507,8 +507,8 @@ def available() -> bool:
     return _mod() is not None
 
 
-def _check(raw: torch.Tensor, qtype, out_features: int, in_features: int):
-    """Validate the raw block tensor against [N, K] in ``qtype``; returns the GGUFType."""
+def check_shape(qtype, out_features: int, in_features: int):
+    """Validate a ``[N, K]`` weight shape for ``qtype`` (K whole blocks); returns the GGUFType."""
     t = gguf_type(qtype)  # ValueError naming the allowed types
     n, k = int(out_features), int(in_features)
     if k <= 0 or k % t.block_size:
@@ -516,6 +516,13 @@ def _check(raw: torch.Tensor, qtype, out_features: int, in_features: int):
                          f"block size {t.block_size}")
     if n <= 0:
         raise ValueError(f"out_features={n} must be positive")
+    return t
+
+
+def _check(raw: torch.Tensor, qtype, out_features: int, in_features: int):
+    """Validate the raw block tensor against [N, K] in ``qtype``; returns the GGUFType."""
+    t = check_shape(qtype, out_features, in_features)
+    n, k = int(out_features), int(in_features)
     if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
         raise ValueError(f"raw GGUF blocks must be a uint8 torch.Tensor, got "
                          f"{getattr(raw, 'dtype', type(raw).__name__)}")

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats.gguf import gguf_type as _lookup
 from ..formats.gguf import quantize_gguf
 from ..kernels import gguf_linear_cpp as kernel
 
@@ -45,12 +44,7 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, gguf_type, bias: bool = True):
         super().__init__()
-        t = _lookup(gguf_type)  # ValueError naming the allowed types
-        if in_features <= 0 or in_features % t.block_size:
-            raise ValueError(f"in_features={in_features} must be a positive multiple of the "
-                             f"{t.name.upper()} block size {t.block_size}")
-        if out_features <= 0:
-            raise ValueError(f"out_features={out_features} must be positive")
+        t = kernel.check_shape(gguf_type, out_features, in_features)  # ValueError naming the fix
         self.in_features, self.out_features = int(in_features), int(out_features)
         self._type = t
         row_bytes = in_features // t.block_size * t.type_size
