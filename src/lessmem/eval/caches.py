@@ -194,6 +194,14 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
     return CacheSpec(spec.name, make, "lessmem", detail, preset)
 
 
+def close_cache(cache) -> None:
+    """Close a cache that holds resources (a tiered cache's prefetch thread, files, Redis
+    keys); other caches have nothing to close."""
+    close = getattr(cache, "close", None)
+    if callable(close):
+        close()
+
+
 def placement(mem: dict) -> dict | None:
     """Where a tiered cache's bytes are, from its ``memory()`` dict (None for other caches):
     ``device_bytes`` (now), ``device_peak`` (the cache's peak, or the bytes now if more: the

@@ -111,7 +111,7 @@ def memory_lines(mem: dict) -> list[str]:
 def run(args) -> int:
     import torch
 
-    from lessmem.eval.caches import cache_kwarg, measure_memory, placement, resolve_config
+    from lessmem.eval.caches import cache_kwarg, close_cache, measure_memory, placement, resolve_config
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}; allowed: an integer >= 1")
@@ -173,7 +173,5 @@ def run(args) -> int:
             print(line)
     if reused is not None:
         print(f"prompt tokens loaded from the tiers instead of computed: {reused}")
-    close = getattr(cache, "close", None)
-    if callable(close):
-        close()
+    close_cache(cache)
     return 0

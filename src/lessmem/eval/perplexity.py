@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from lessmem.eval.caches import BASELINE, CacheSpec, cache_kwarg, measure_memory, resolve_configs
+from lessmem.eval.caches import BASELINE, CacheSpec, cache_kwarg, close_cache, measure_memory, resolve_configs
 
 MIN_WINDOW_LEN = 8
 
@@ -214,7 +214,8 @@ def _evaluate(model, tok, configs, text, windows, window_len, chunk, progress, m
                 progress(done, total)
         for s in specs:
             accs[s.name].mem.append(measure_memory(caches[s.name]))
-        _close(caches)
+        for c in caches.values():
+            close_cache(c)
         del caches
         n_done += 1
 
@@ -265,14 +266,6 @@ def _rows(specs: list[CacheSpec], accs: dict, protocol: dict) -> list[dict]:
         })
         _add_offload(rows[-1], a.mem)
     return rows
-
-
-def _close(caches: dict) -> None:
-    """Close caches that hold resources (a tiered cache's prefetch thread, files, Redis keys)."""
-    for c in caches.values():
-        close = getattr(c, "close", None)
-        if callable(close):
-            close()
 
 
 def _add_offload(row: dict, mems: list[dict]) -> None:
