@@ -163,18 +163,18 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
         f = max(0, (w1 - p.window) // p.block) * p.block  # tokens leaving the window, quantized
         seals = (pre.pending + f) // block_tokens
         post = _Layer(pre.sinks + take, w1 - f, pre.pending + f - seals * block_tokens, pre.blocks + seals)
+        fp_pre, fp_post, h_pre, h_post = fp(pre), fp(post), hist(pre), hist(post)  # the same for every layer
+        mids = [(fp(m), hist(m)) for m in (_Layer(post.sinks, w1, pre.pending + f - j * block_tokens, pre.blocks + j)
+                                           for j in range(1, seals + 1))]  # the state after each seal
         for layer in range(L):
             n_init = L if T else layer + 1  # layers holding anything count in the growth reserve
             growth = c * tb * n_init
             # the read of this layer's history (before it appends): layers < `layer` are done
             rest = L - layer
-            rebalance(layer * fp(post) + rest * fp(pre), growth,
-                      max(hist(post) if layer else 0, hist(pre)) * mult)
-            for j in range(1, seals + 1):  # each sealed block: rebalance, then put on the device
-                mid = _Layer(post.sinks, w1, pre.pending + f - j * block_tokens, pre.blocks + j)
-                cap = rebalance(layer * fp(post) + fp(mid) + (rest - 1) * fp(pre), growth,
-                                max(hist(post) if layer else 0, hist(mid),
-                                    hist(pre) if rest > 1 else 0) * mult)
+            rebalance(layer * fp_post + rest * fp_pre, growth, max(h_post if layer else 0, h_pre) * mult)
+            for fp_mid, h_mid in mids:  # each sealed block: rebalance, then put on the device
+                cap = rebalance(layer * fp_post + fp_mid + (rest - 1) * fp_pre, growth,
+                                max(h_post if layer else 0, h_mid, h_pre if rest > 1 else 0) * mult)
                 if cap is None or state["count"] < cap:
                     state["count"] += 1
                 else:  # the device's least recently used block (or, with no room, this one) moves down
