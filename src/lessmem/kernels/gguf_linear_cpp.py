@@ -510,11 +510,11 @@ def available() -> bool:
 def check_shape(qtype, out_features: int, in_features: int):
     """Validate a ``[N, K]`` weight shape for ``qtype`` (K whole blocks); returns the GGUFType."""
     t = gguf_type(qtype)  # ValueError naming the allowed types
-    n, k = int(out_features), int(in_features)
-    if k <= 0 or k % t.block_size:
+    n, k = out_features, in_features
+    if k != int(k) or k <= 0 or k % t.block_size:
         raise ValueError(f"in_features={k} must be a positive multiple of the {t.name.upper()} "
                          f"block size {t.block_size}")
-    if n <= 0:
+    if n != int(n) or n <= 0:
         raise ValueError(f"out_features={n} must be positive")
     return t
 
