@@ -111,7 +111,13 @@ def memory_lines(mem: dict) -> list[str]:
 def run(args) -> int:
     import torch
 
-    from lessmem.eval.caches import cache_kwarg, close_cache, measure_memory, placement, resolve_config
+    from lessmem.eval.caches import (
+        cache_kwarg,
+        close_cache,
+        measure_memory,
+        placement,
+        resolve_config,
+    )
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}; allowed: an integer >= 1")

@@ -39,7 +39,14 @@ from typing import Callable
 
 import torch
 
-from lessmem.eval.caches import BASELINE, CacheSpec, cache_kwarg, close_cache, measure_memory, resolve_configs
+from lessmem.eval.caches import (
+    BASELINE,
+    CacheSpec,
+    cache_kwarg,
+    close_cache,
+    measure_memory,
+    resolve_configs,
+)
 
 MIN_WINDOW_LEN = 8
 
