@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,56 @@ def test_get_many_with_qtensor_blocks_and_unseen_keys(tmp_path):
     assert got[2] is None and t.stats.misses == 1
     again = t.get_many(["p", "q"])  # p now through the batched reader
     assert again[0]["i"].item() == 3 and torch.equal(again[1]["k"].dequantize(), q.dequantize())
+
+
+def test_compiled_crc32_equals_zlib():
+    # the batched reader's carry-less-multiplication CRC-32 must be zlib's, bit for bit
+    import random
+    import zlib
+
+    from lessmem.offload import fastread
+
+    if not fastread.available():
+        pytest.skip("no compiler here")
+    rng = random.Random(0)
+    lengths = list(range(0, 300)) + [rng.randrange(300, 1 << 20) for _ in range(40)]
+    for n in lengths:
+        data, init = rng.randbytes(n), rng.getrandbits(32)
+        assert fastread.crc32(data, init) == zlib.crc32(data, init), n
+    assert fastread.crc32(b"123456789") == 0xCBF43926  # the CRC-32 check value
+
+
+def test_get_many_never_overwrites_blocks_a_caller_still_holds(tmp_path):
+    # reads land in reused buffers; a buffer is reused only once no returned tensor views it
+    from lessmem.offload import fastread
+
+    if not fastread.available():
+        pytest.skip("no compiler here")
+    t = DiskTier(tmp_path)
+    keys = [f"k{i}" for i in range(4)]
+    for i, k in enumerate(keys):
+        t.put(k, {"codes": torch.full((1, 3, 64, 32), i, dtype=torch.uint8), "i": torch.tensor([i])})
+    held = t.get_many(keys)
+    for rnd in range(1, 6):  # new contents under the same keys, read while `held` is alive
+        for i, k in enumerate(keys):
+            t.put(k, {"codes": torch.full((1, 3, 64, 32), 10 * rnd + i, dtype=torch.uint8),
+                      "i": torch.tensor([10 * rnd + i])})
+        got = t.get_many(keys)
+        assert [g["i"].item() for g in got] == [10 * rnd + i for i in range(4)]
+        assert all(torch.all(g["codes"] == 10 * rnd + i) for i, g in enumerate(got))
+        assert [h["i"].item() for h in held] == [0, 1, 2, 3]
+        assert all(torch.all(h["codes"] == i) for i, h in enumerate(held))
+    del got, held
+    again = t.get_many(keys)
+    assert all(torch.all(g["codes"] == 50 + i) for i, g in enumerate(again))
+
+
+def test_get_many_serves_a_block_a_peer_rewrote_with_another_size(tmp_path):
+    t = DiskTier(tmp_path)
+    t.put("a", {"x": torch.arange(4)})
+    assert t.get_many(["a"])[0]["x"].tolist() == [0, 1, 2, 3]
+    DiskTier(tmp_path).put("a", {"x": torch.arange(9)})  # another process replaces it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not corruption: no warning
+        assert t.get_many(["a"])[0]["x"].tolist() == list(range(9))
+    assert t.stats.corrupt == 0 and t.get_many(["a"])[0]["x"].tolist() == list(range(9))

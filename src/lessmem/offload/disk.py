@@ -79,7 +79,7 @@ class DiskTier(Tier):
         except OSError as e:
             raise ValueError(f"disk tier path {str(path)!r} is not a usable directory: {e}") from e
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
-        self._headers: dict[str, tuple[bytes, tuple]] = {}  # key -> (header, table) seen: get_many
+        self._headers: dict[str, tuple] = {}  # key -> (path, header, file bytes, table) seen: get_many
         self._held = 0
         self._scan()
 
@@ -211,7 +211,7 @@ class DiskTier(Tier):
         header = bytes(memoryview(blob)[HEADER_BYTES:HEADER_BYTES + hlen])
         table, qdesc, _ = _parse_header(header, plen)
         if not qdesc:  # plain tensors only; QTensor blocks take the Python path
-            self._headers[key] = (header, table)
+            self._headers[key] = (self._file(key), header, len(blob), table)
 
     def get_many(self, keys: list[str]) -> list[dict | None]:
         """``[get(k) for k in keys]``, in one GIL-free batch for the blocks this store has
@@ -220,21 +220,20 @@ class DiskTier(Tier):
         for k in keys:
             check_key(k)
         with self._lock:
-            known = [(i, k, *self._headers[k]) for i, k in enumerate(keys) if k in self._headers]
+            known = [(i, k, self._headers[k]) for i, k in enumerate(keys) if k in self._headers]
         out: list[dict | None] = [None] * len(keys)
         done = set()
         if known and fastread.available():
             t0 = time.perf_counter()
-            got = fastread.read_blocks([self._file(k) for _, k, _, _ in known],
-                                       [h for _, _, h, _ in known], [t for _, _, _, t in known])
+            got = fastread.read_blocks(*zip(*(e for _, _, e in known), strict=True))
             n_bytes = 0
             with self._lock:
-                for (i, k, _, _), block in zip(known, got, strict=True):
+                for (i, k, e), block in zip(known, got, strict=True):
                     if block is None:
                         continue
                     out[i] = block
                     done.add(i)
-                    n_bytes += self._index.get(k, 0)
+                    n_bytes += e[2]
                     if k in self._index:
                         self._index.move_to_end(k)
                 self.stats.hits += len(done)
