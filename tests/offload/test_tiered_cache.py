@@ -20,7 +20,8 @@ def reference(m, ids, steps):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("prefetch,policy", [(True, "write-back"), (False, "write-through")])
+@pytest.mark.parametrize("prefetch,policy", [("gather", "write-back"), ("hint", "write-through"),
+                                             (False, "write-back")])
 def test_bit_exact_with_in_memory_cache(tmp_path, fused, prefetch, policy):
     m = _gen.model()
     switch = enable(m) if fused else None
@@ -36,16 +37,22 @@ def test_bit_exact_with_in_memory_cache(tmp_path, fused, prefetch, policy):
         assert place["host"] > 0 and place["disk"] > 0  # the history really was spread out
         mem = cache.memory()
         assert mem["tokens"] == 150 + 40 and mem["codes"] > 0
+        p = cache.offload_stats()["prefetch"]
+        assert cache.prefetch_mode == (prefetch or None)
         if prefetch:
-            p = cache.offload_stats()["prefetch"]
             assert p["issued"] > 0 and p["on_time"] + p["late"] > 0
+            if prefetch == "hint":  # once a step, not once a layer
+                assert p["issued"] <= 40 + 150 // 16 + 2
+        else:
+            assert p["issued"] == 0
         cache.close()
     finally:
         if switch is not None:
             switch.disable()
 
 
-def test_device_budget_is_never_exceeded(tmp_path):
+@pytest.mark.parametrize("prefetch", ["gather", "hint"])
+def test_device_budget_is_never_exceeded(tmp_path, prefetch):
     from lessmem.models import tiny_random
 
     # many thin layers: the gathered histories in flight (2 layers) are a small share
@@ -58,7 +65,7 @@ def test_device_budget_is_never_exceeded(tmp_path):
     ref_toks, _ = _gen.decode(m, ref, _gen.chunked_prefill(m, ref, ids, chunk=16), 12)
     budget = ref.memory()["total"] // 4  # 25% of the in-memory quantized cache
     cache = TieredKVCache(m.config, cfg, tiers=[DiskTier(tmp_path, fsync=False)], block_tokens=16,
-                          device_budget=budget)
+                          device_budget=budget, prefetch=prefetch)
     seen = []
 
     def check():
@@ -73,6 +80,40 @@ def test_device_budget_is_never_exceeded(tmp_path):
     mem = cache.memory()
     assert mem["tiers"]["device"] < budget and mem["tiers"]["disk"] > 0.5 * mem["total"]
     cache.close()
+
+
+def test_prefetch_auto_gathers_only_with_a_free_core_or_a_remote_tier(tmp_path, monkeypatch):
+    import os
+
+    m = _gen.model()
+    cache = TieredKVCache(m.config, _gen.CFG, tiers=f"disk:{tmp_path}")
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads)), raising=False)
+        assert cache.prefetch_mode == "hint"  # every core computes: only the page-cache hint
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads + 1)), raising=False)
+        assert cache.prefetch_mode == "gather"
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads)), raising=False)
+        cache.lower[0].kind = "remote"  # waiting on a network costs no core: always gather
+        assert cache.prefetch_mode == "gather"
+    finally:
+        cache.close()
+    assert TieredKVCache(m.config, _gen.CFG, prefetch=False).prefetch_mode is None
+    assert TieredKVCache(m.config, _gen.CFG, prefetch="hint").prefetch_mode == "hint"
+    with pytest.raises(ValueError, match="prefetch='always'; allowed"):
+        TieredKVCache(m.config, _gen.CFG, prefetch="always")
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_disk_advise_hints_known_blocks(tmp_path, monkeypatch, compiled):
+    if not compiled:
+        monkeypatch.setenv("LESSMEM_NO_CPP", "1")
+    t = DiskTier(tmp_path, fsync=False)
+    for i in range(3):
+        t.put(f"k{i}", {"x": torch.arange(8) + i})
+    assert t.advise(["k0", "k2", "absent"]) == 2
+    (tmp_path / "blocks" / "k1.blk").unlink()  # gone behind the store's back: skipped, no error
+    assert t.advise(["k1"]) == 0
 
 
 def _first_process(spec, out):

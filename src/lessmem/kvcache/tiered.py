@@ -18,9 +18,17 @@ blocks by reference, lower-tier blocks as the copies just read — and handed to
 kernel as a :class:`~lessmem.kernels.attention.SegmentedKV`, which walks them in place
 (no concatenation); it computes exactly what it computes over one contiguous history,
 so the logits equal an in-memory cache's bit for bit.
-With ``prefetch=True``, while layer i computes, a background thread already gathers
-layer i+1 (after the last layer: layer 0 for the next step); ``offload_stats()`` says
-how often the consumer had to wait (prefetch lateness).
+Prefetch: while layer i computes, a background thread works on layer i+1 (after the
+last layer: layer 0 for the next step). ``prefetch="gather"``: it gathers the blocks
+(reads, checks and stages them), which hides all of the read when a core is free for
+it, and the wait of a remote tier always. ``prefetch="hint"``: it only asks the OS to
+bring the next layer's block files into the page cache (``posix_fadvise(WILLNEED)``),
+which hides the disk's latency (once a step, for every layer's blocks); the decoding
+thread then reads and checks them on all its cores between the model's parallel ops. ``prefetch=True`` ("auto") picks
+"gather" when the process has a core that torch's threads leave free or a tier is
+remote, else "hint": with every core busy computing, a background copy and checksum
+only take time from the model (measured on 2 cores: no gain, a few percent lost).
+``offload_stats()`` says how often the consumer had to wait (prefetch lateness).
 
 Device bytes = device tier + sinks + windows + partial blocks + staged blocks: those
 the current layer read from lower tiers, and (bounded by its history bytes) the layer
@@ -265,10 +273,11 @@ class TieredKVCache(KVCache):
     sliding-window policy: attend to the most recent blocks covering at least this many
     tokens (a multiple of ``block_tokens``; needs ``sinks=0``) plus the window, while the
     older blocks stay in the tiers for prefix reuse and are never read while decoding.
+    ``prefetch``: True (auto), "gather", "hint" or False (see the module doc).
     """
 
     def __init__(self, model_config, config: str | KVConfig = "int4", tiers=None, device_budget=None,
-                 block_tokens: int = 256, prefetch: bool = True, write_policy: str = "write-back",
+                 block_tokens: int = 256, prefetch: bool | str = True, write_policy: str = "write-back",
                  attention: str = "auto", model_id: str | None = None,
                  attention_window: int | None = None):
         super().__init__(model_config, config, attention)
@@ -284,7 +293,10 @@ class TieredKVCache(KVCache):
                                  f"{self.kv_config.sinks}); allowed: e.g. config.replace(sinks=0)")
         self.attention_window = attention_window
         self.device_budget = None if device_budget is None else parse_bytes(device_budget)
+        if prefetch not in (True, False, None, "auto", "gather", "hint"):
+            raise ValueError(f"prefetch={prefetch!r}; allowed: True/'auto', 'gather', 'hint', False")
         self.prefetch = bool(prefetch)
+        self._prefetch_choice = "auto" if prefetch is True else (prefetch or None)
         self.device_tier = DeviceTier(None, device="cpu")
         self.stack = TierStack([self.device_tier, *_tiers_from(tiers)], write_policy=write_policy,
                                promote=False)
@@ -304,7 +316,8 @@ class TieredKVCache(KVCache):
         self.prefetch_stats = PrefetchStats()
         self._plock = threading.Lock()
         self._pool = None
-        self._inflight: dict[int, tuple[tuple, PrefetchHandle, int]] = {}
+        self._inflight: dict[int, tuple[tuple, PrefetchHandle, int]] = {}  # "gather": next layer
+        self._hint: PrefetchHandle | None = None  # "hint": this step's page-cache advice
         self._staged = 0
         self._chunk = 1
         self.device_peak = 0
@@ -417,8 +430,25 @@ class TieredKVCache(KVCache):
     def fp_bytes(self) -> int:
         return sum(la.fp_bytes() for la in self._qlayers)
 
+    @property
+    def prefetch_mode(self) -> str | None:
+        """What the prefetcher does now: "gather", "hint" or None (see the module doc)."""
+        if self._prefetch_choice != "auto":
+            return self._prefetch_choice
+        import os
+
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        if cores > torch.get_num_threads() or any(t.kind == "remote" for t in self.lower):
+            return "gather"
+        return "hint"
+
     def _reserve(self) -> int:
-        """Room for staged blocks: the layer computing now and the prefetched one."""
+        """Room for staged blocks: the layer computing now and the prefetched one (kept in
+        "hint" mode too: "auto" may switch modes when torch's thread count changes, and the
+        planner's split does not depend on the machine's cores)."""
         key = (self._version, self.prefetch, len(self.tiered))
         if self._sums.get("reserve", (None,))[0] != key:
             biggest = max((la.history_bytes() - sum(la.block_bytes[:self._hidden_blocks(la)])
@@ -462,15 +492,15 @@ class TieredKVCache(KVCache):
         raise BlockLostError(f"KV block {key!r} is in no tier (corrupted, deleted or evicted "
                              "from the last tier); give the last tier more capacity")
 
-    def _gather(self, layer: TieredKVLayer, keys: list[str], pending) -> list[dict]:
+    def _gather(self, layer: TieredKVLayer, keys: list[str], pending, threads: int = 1) -> list[dict]:
         """The layer's blocks in order (device-tier blocks by reference, lower-tier blocks
-        as the copies just read) plus the partial block."""
+        as the copies just read, ``threads`` files at a time) plus the partial block."""
         parts = [self.device_tier.get(k, touch=False) for k in keys]
         todo = [i for i, p in enumerate(parts) if p is None]
         for t in self.lower:  # the rest in one batch per tier (DiskTier: one GIL-free call)
             if not todo:
                 break
-            got = t.get_many([keys[i] for i in todo]) if hasattr(t, "get_many") else \
+            got = t.get_many([keys[i] for i in todo], threads=threads) if hasattr(t, "get_many") else \
                 [t.get(keys[i]) for i in todo]
             for i, b in zip(todo, got, strict=True):
                 parts[i] = b
@@ -483,6 +513,23 @@ class TieredKVCache(KVCache):
         if any(p["k_codes"].device != dev for p in parts):
             parts = [{n: t.to(dev) for n, t in p.items()} for p in parts]
         return parts
+
+    def _submit(self, fn, *args) -> PrefetchHandle:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch")
+        with self._plock:
+            self.prefetch_stats.issued += 1
+        return PrefetchHandle(self._pool.submit(fn, *args), self.prefetch_stats, self._plock)
+
+    def _advise(self, keys: list[str]) -> None:
+        """Prefetch "hint": ask each lower tier that can (disk) to bring these blocks
+        closer (page cache); returns None, the decoding thread reads them."""
+        todo = [k for k in keys if not self.device_tier.contains(k)]
+        for t in self.lower:
+            if todo and hasattr(t, "advise"):
+                t.advise(todo)
 
     def _hidden_blocks(self, layer: TieredKVLayer) -> int:
         """Sealed blocks outside the attention window (sliding policy), oldest first."""
@@ -500,12 +547,13 @@ class TieredKVCache(KVCache):
         snap = (len(layer.block_keys), layer.n_pending)
         got = self._inflight.pop(layer.layer_idx, None)
         self._staged = 0  # the previous layer's gathered history is no longer used
-        if got is not None and got[0] == snap:
-            hist = got[1].result()
-        else:
-            if got is not None:
-                got[1].future.result()
-            hist = self._gather(layer, self._visible(layer), layer.pending)
+        hist = None
+        if got is not None:
+            out = got[1].result()  # a hint returns None
+            hist = out if got[0] == snap else None
+        if hist is None:
+            # on the decoding thread, between the model's parallel ops: read on all its cores
+            hist = self._gather(layer, self._visible(layer), layer.pending, torch.get_num_threads())
         fp = self.fp_bytes()
         self._rebalance(fp)
         # held beside the device tier: the blocks read from lower tiers, and any block the
@@ -513,19 +561,18 @@ class TieredKVCache(KVCache):
         h0 = self._hidden_blocks(layer)
         self._staged = sum(b for k, b in zip(layer.block_keys[h0:], layer.block_bytes[h0:], strict=True)
                            if not self.device_tier.contains(k))
-        if self.prefetch and len(self.tiered) > 1:
+        mode = self.prefetch_mode if len(self.tiered) > 1 else None
+        if mode == "gather":
             nxt = self.tiered[(self.tiered.index(layer) + 1) % len(self.tiered)]
             if nxt.block_keys:
-                if self._pool is None:
-                    from concurrent.futures import ThreadPoolExecutor
-
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="lessmem-kv-prefetch")
-                with self._plock:
-                    self.prefetch_stats.issued += 1
-                fut = self._pool.submit(self._gather, nxt, self._visible(nxt), nxt.pending)
-                self._inflight[nxt.layer_idx] = ((len(nxt.block_keys), nxt.n_pending),
-                                                 PrefetchHandle(fut, self.prefetch_stats, self._plock),
+                fut = self._submit(self._gather, nxt, self._visible(nxt), nxt.pending)
+                self._inflight[nxt.layer_idx] = ((len(nxt.block_keys), nxt.n_pending), fut,
                                                  nxt.history_bytes())
+        elif mode == "hint" and layer is self.tiered[0]:  # once a step: every layer's blocks
+            if self._hint is not None:
+                self._hint.result()
+            keys = [k for la in self.tiered for k in self._visible(la)]
+            self._hint = self._submit(self._advise, keys) if keys else None
         self.device_peak = max(self.device_peak, self.device_bytes(fp))
         return hist
 
@@ -740,6 +787,9 @@ class TieredKVCache(KVCache):
         for _, h, _ in getattr(self, "_inflight", {}).values():
             h.future.result()
         self._inflight = {}
+        if getattr(self, "_hint", None) is not None:
+            self._hint.future.result()
+            self._hint = None
         self._staged = 0
 
     def reset(self) -> None:

@@ -213,10 +213,11 @@ class DiskTier(Tier):
         if not qdesc:  # plain tensors only; QTensor blocks take the Python path
             self._headers[key] = (self._file(key), header, len(blob), table)
 
-    def get_many(self, keys: list[str]) -> list[dict | None]:
+    def get_many(self, keys: list[str], threads: int = 1) -> list[dict | None]:
         """``[get(k) for k in keys]``, in one GIL-free batch for the blocks this store has
-        read or written before (:mod:`lessmem.offload.fastread`); the others, and any
-        that fail a check there, go through ``get`` (which reports corruption)."""
+        read or written before (:mod:`lessmem.offload.fastread`, ``threads`` files at a
+        time); the others, and any that fail a check there, go through ``get`` (which
+        reports corruption)."""
         for k in keys:
             check_key(k)
         with self._lock:
@@ -225,7 +226,7 @@ class DiskTier(Tier):
         done = set()
         if known and fastread.available():
             t0 = time.perf_counter()
-            got = fastread.read_blocks(*zip(*(e for _, _, e in known), strict=True))
+            got = fastread.read_blocks(*zip(*(e for _, _, e in known), strict=True), threads=threads)
             n_bytes = 0
             with self._lock:
                 for (i, k, e), block in zip(known, got, strict=True):
@@ -243,6 +244,28 @@ class DiskTier(Tier):
             if i not in done:
                 out[i] = self.get(k)
         return out
+
+    def advise(self, keys: list[str]) -> int:
+        """Prefetch hint: ask the OS to read these blocks' files into the page cache in the
+        background (``posix_fadvise(WILLNEED)``); nothing is returned or checked here.
+        Returns how many files were found."""
+        with self._lock:
+            paths = [self._file(k) for k in keys if k in self._index]
+        if fastread.available():
+            return fastread.advise(paths)
+        n = 0
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                n += 1
+            finally:
+                os.close(fd)
+        return n
 
     def get(self, key: str) -> dict | None:
         check_key(key)

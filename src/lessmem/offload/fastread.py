@@ -131,7 +131,8 @@ bool verify(const uint8_t* p, int64_t n, const std::string& header) {
 // missing, has another size, or fails a check.
 pybind11::list read_blocks(
     std::vector<std::string> paths, std::vector<std::string> headers, std::vector<int64_t> sizes,
-    std::vector<std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>> parts) {
+    std::vector<std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>> parts,
+    int64_t threads) {
   TORCH_CHECK(paths.size() == headers.size() && paths.size() == parts.size() && paths.size() == sizes.size(),
               "read_blocks: paths, headers, sizes and parts must have the same length");
   const size_t n = paths.size();
@@ -149,7 +150,9 @@ pybind11::list read_blocks(
     pybind11::gil_scoped_release no_gil;
     buf = arena(std::max<int64_t>(end, 1));
     uint8_t* base = buf.data_ptr<uint8_t>();
-    for (size_t i = 0; i < n; ++i)
+    const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)n));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < (int64_t)n; ++i)
       ok[i] = read_file(paths[i], base + starts[i], sizes[i]) && verify(base + starts[i], sizes[i], headers[i]);
   }
   pybind11::list out(n);
@@ -181,6 +184,21 @@ pybind11::list read_blocks(
   return out;
 }
 
+// Ask the OS to read these files into the page cache now (a prefetch hint: returns at
+// once, the reads happen in the background); returns how many files it could open.
+int64_t advise(std::vector<std::string> paths) {
+  pybind11::gil_scoped_release no_gil;
+  int64_t n = 0;
+  for (const auto& path : paths) {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
+    close(fd);
+    ++n;
+  }
+  return n;
+}
+
 int64_t checksum(torch::Tensor data, int64_t crc) {
   TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous() && data.device().is_cpu(),
               "checksum: a contiguous uint8 CPU tensor");
@@ -204,7 +222,7 @@ def _parts(table: tuple) -> list:
 
 
 def _module():
-    return load_cpp("lessmem_fastread", SOURCE, functions=["read_blocks", "checksum"], extra_ldflags=["-lz"])
+    return load_cpp("lessmem_fastread", SOURCE, functions=["read_blocks", "advise", "checksum"], extra_ldflags=["-lz"])
 
 
 def available() -> bool:
@@ -213,15 +231,25 @@ def available() -> bool:
 
 
 def read_blocks(paths: list[str], headers: list[bytes], sizes: list[int],
-                tables: list[tuple]) -> list[dict | None]:
+                tables: list[tuple], threads: int = 1) -> list[dict | None]:
     """Blocks of plain tensors from files (see module doc); None where a file is missing,
     is not ``sizes[i]`` bytes long, or fails a check. ``tables[i]``: the block's ``(name,
     dtype, shape, offset, nbytes)`` entries (``serialize._parse_header``). The tensors are
-    views of one reused buffer per batch (freed for reuse when none of them is referenced)."""
+    views of one reused buffer per batch (freed for reuse when none of them is referenced).
+    ``threads``: files read and checked in parallel (the caller's idle cores while decoding)."""
     mod = _module()
     if mod is None:
         raise RuntimeError("the compiled block reader is not available here; use DiskTier.get")
-    return mod.read_blocks(paths, headers, sizes, [_parts(t) for t in tables])
+    return mod.read_blocks(paths, headers, sizes, [_parts(t) for t in tables], int(threads))
+
+
+def advise(paths: list[str]) -> int:
+    """Ask the OS to bring these files into the page cache in the background (one
+    GIL-free call); returns how many could be opened."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the compiled block reader is not available here")
+    return mod.advise(paths)
 
 
 def crc32(data, crc: int = 0) -> int:
