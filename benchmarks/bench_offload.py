@@ -8,7 +8,10 @@ device budget leaves ``--disk-share`` (75%) of the quantized blocks on a disk ti
 in turn (so machine noise hits all alike):
 
 - ``memory``: the in-memory quantized cache (baseline);
-- ``tiered+prefetch``: disk tier, layer i+1 gathered by a background thread while layer i computes;
+- ``tiered+prefetch``: disk tier with the prefetcher on (``prefetch=True``: "gather" — layer
+  i+1 gathered by a background thread while layer i computes — when a core is free for
+  it, else "hint" — the step's block files advised into the page cache, read and checked
+  by the decoding thread on all cores; the mode used is in the JSON);
 - ``tiered``: the same without prefetch (what the prefetch hides).
 
 Correctness first: every step's logits of each tiered variant must equal the baseline's
@@ -138,7 +141,7 @@ def run_context(model, tok, cfg, block_tokens, n_ctx, steps, disk_share, root: P
         row = {"ms_per_token": 1e3 * med, "tok_s": 1 / med, "ratio_vs_memory": base / med}
         if isinstance(c, TieredKVCache):
             st = c.offload_stats()
-            row.update(device_budget=c.device_budget, device_peak=c.device_peak,
+            row.update(prefetch_mode=c.prefetch_mode, device_budget=c.device_budget, device_peak=c.device_peak,
                        within_budget=c.device_peak <= c.device_budget, disk_share=disk_share_of(c),
                        disk_bytes=c.stack.placement()[c.lower[0].name],
                        disk_read_gbps=st[c.lower[0].name]["read_gbps"],
@@ -250,7 +253,8 @@ def main() -> int:
             v = res["variants"]
             print(f"ctx {n}: bit_exact={res['bit_exact']}  memory {v['memory']['tok_s']:.2f} tok/s  "
                   f"tiered+prefetch {v['tiered+prefetch']['tok_s']:.2f} "
-                  f"({v['tiered+prefetch']['ratio_vs_memory']:.2f}x, disk {v['tiered+prefetch']['disk_share']:.0%})  "
+                  f"({v['tiered+prefetch']['ratio_vs_memory']:.2f}x, disk {v['tiered+prefetch']['disk_share']:.0%}, "
+                  f"{v['tiered+prefetch']['prefetch_mode']})  "
                   f"tiered {v['tiered']['tok_s']:.2f} ({v['tiered']['ratio_vs_memory']:.2f}x)")
             if not res["bit_exact"]:
                 raise SystemExit("tiered logits differ from the in-memory cache")
