@@ -348,3 +348,28 @@ def test_prompt_state_goes_to_the_tiers_that_can_hold_it(tmp_path):
     b = TieredKVCache(m.config, _gen.CFG, tiers=f"disk:{tmp_path}", block_tokens=32, model_id="tiny")
     assert torch.equal(b.restore_prefix(ids[0]), logits) and b.prefill_skipped == 1
     b.close()
+
+
+def test_disk_advise_async_from_a_native_thread_also_after_fork(tmp_path):
+    import multiprocessing as mp
+
+    from lessmem.offload import fastread
+
+    if not fastread.available():
+        pytest.skip("no compiler here")
+    t = DiskTier(tmp_path, fsync=False)
+    for i in range(3):
+        t.put(f"k{i}", {"x": torch.arange(8) + i})
+    a, b = t.advise_async(["k0", "k1"]), t.advise_async(["k2", "absent"])
+    assert b > a and t.advise_done(b, wait=True) and t.advise_done(a)  # in order
+    ctx = mp.get_context("fork")  # a forked child has no worker thread: it starts its own
+    p = ctx.Process(target=_advise_in_child, args=(str(tmp_path),))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+
+
+def _advise_in_child(path):
+    t = DiskTier(path, fsync=False)
+    ticket = t.advise_async(t.keys())
+    raise SystemExit(0 if t.advise_done(ticket, wait=True) else 1)

@@ -18,16 +18,17 @@ blocks by reference, lower-tier blocks as the copies just read — and handed to
 kernel as a :class:`~lessmem.kernels.attention.SegmentedKV`, which walks them in place
 (no concatenation); it computes exactly what it computes over one contiguous history,
 so the logits equal an in-memory cache's bit for bit.
-Prefetch: while layer i computes, a background thread works on layer i+1 (after the
-last layer: layer 0 for the next step). ``prefetch="gather"``: it gathers the blocks
-(reads, checks and stages them), which hides all of the read when a core is free for
-it, and the wait of a remote tier always. ``prefetch="hint"``: it only asks the OS to
-bring the next layer's block files into the page cache (``posix_fadvise(WILLNEED)``),
-which hides the disk's latency (once a step, for every layer's blocks); the decoding
-thread then reads and checks them on all its cores between the model's parallel ops. ``prefetch=True`` ("auto") picks
-"gather" when the process has a core that torch's threads leave free or a tier is
-remote, else "hint": with every core busy computing, a background copy and checksum
-only take time from the model (measured on 2 cores: no gain, a few percent lost).
+Prefetch, ``prefetch="gather"``: while layer i computes, a background thread gathers
+layer i+1 (reads, checks and stages its blocks; after the last layer: layer 0 for the
+next step), which hides the whole read when a core is free for it, and a remote tier's
+network wait always. ``prefetch="hint"``: once a step, the disk tier's native thread
+asks the OS to bring every block file the step will read into the page cache
+(``posix_fadvise(WILLNEED)``: hides the disk's latency, costs the decoding thread
+neither a Python thread nor the GIL); the decoding thread then reads and checks each
+layer's blocks on all its cores between the model's parallel ops. ``prefetch=True``
+("auto") picks "gather" when the process has a core that torch's threads leave free or
+a tier is remote, else "hint": with every core computing, a background copy and
+checksum only take time from the model (measured on 2 cores: no gain, a few % lost).
 ``offload_stats()`` says how often the consumer had to wait (prefetch lateness).
 
 Device bytes = device tier + sinks + windows + partial blocks + staged blocks: those
@@ -317,7 +318,7 @@ class TieredKVCache(KVCache):
         self._plock = threading.Lock()
         self._pool = None
         self._inflight: dict[int, tuple[tuple, PrefetchHandle, int]] = {}  # "gather": next layer
-        self._hint: PrefetchHandle | None = None  # "hint": this step's page-cache advice
+        self._hints: list[tuple] = []  # "hint": (tier, ticket) of the last page-cache advice
         self._staged = 0
         self._chunk = 1
         self.device_peak = 0
@@ -524,12 +525,23 @@ class TieredKVCache(KVCache):
         return PrefetchHandle(self._pool.submit(fn, *args), self.prefetch_stats, self._plock)
 
     def _advise(self, keys: list[str]) -> None:
-        """Prefetch "hint": ask each lower tier that can (disk) to bring these blocks
-        closer (page cache); returns None, the decoding thread reads them."""
-        todo = [k for k in keys if not self.device_tier.contains(k)]
+        """Prefetch "hint": ask each lower tier that can (disk) to bring these blocks closer
+        (page cache) from its native thread; the decoding thread reads them. A hint not
+        carried out by the next one counts as late. Without the compiled reader there is
+        no native thread and no hint (a Python thread would take the GIL from decoding)."""
+        with self._plock:
+            for tier, ticket in self._hints:  # the previous step's: carried out in time?
+                if tier.advise_done(ticket):
+                    self.prefetch_stats.on_time += 1
+                else:
+                    self.prefetch_stats.late += 1
+            self._hints = []
         for t in self.lower:
-            if todo and hasattr(t, "advise"):
-                t.advise(todo)
+            ticket = t.advise_async(keys) if keys and hasattr(t, "advise_async") else None
+            if ticket is not None:
+                with self._plock:
+                    self.prefetch_stats.issued += 1
+                    self._hints.append((t, ticket))
 
     def _hidden_blocks(self, layer: TieredKVLayer) -> int:
         """Sealed blocks outside the attention window (sliding policy), oldest first."""
@@ -569,10 +581,7 @@ class TieredKVCache(KVCache):
                 self._inflight[nxt.layer_idx] = ((len(nxt.block_keys), nxt.n_pending), fut,
                                                  nxt.history_bytes())
         elif mode == "hint" and layer is self.tiered[0]:  # once a step: every layer's blocks
-            if self._hint is not None:
-                self._hint.result()
-            keys = [k for la in self.tiered for k in self._visible(la)]
-            self._hint = self._submit(self._advise, keys) if keys else None
+            self._advise([k for la in self.tiered for k in self._visible(la)])
         self.device_peak = max(self.device_peak, self.device_bytes(fp))
         return hist
 
@@ -787,9 +796,9 @@ class TieredKVCache(KVCache):
         for _, h, _ in getattr(self, "_inflight", {}).values():
             h.future.result()
         self._inflight = {}
-        if getattr(self, "_hint", None) is not None:
-            self._hint.future.result()
-            self._hint = None
+        for tier, ticket in getattr(self, "_hints", []):
+            tier.advise_done(ticket, wait=True)
+        self._hints = []
         self._staged = 0
 
     def reset(self) -> None:

@@ -249,8 +249,7 @@ class DiskTier(Tier):
         """Prefetch hint: ask the OS to read these blocks' files into the page cache in the
         background (``posix_fadvise(WILLNEED)``); nothing is returned or checked here.
         Returns how many files were found."""
-        with self._lock:
-            paths = [self._file(k) for k in keys if k in self._index]
+        paths = self._paths(keys)
         if fastread.available():
             return fastread.advise(paths)
         n = 0
@@ -266,6 +265,23 @@ class DiskTier(Tier):
             finally:
                 os.close(fd)
         return n
+
+    def _paths(self, keys: list[str]) -> list[str]:
+        with self._lock:
+            return [self._file(k) for k in keys if k in self._index]
+
+    def advise_async(self, keys: list[str]) -> int | None:
+        """``advise`` done by a native background thread (no Python thread, no GIL): returns
+        a ticket for :meth:`advise_done`, or None where the compiled reader is missing (then
+        nothing is done)."""
+        if not fastread.available():
+            return None
+        return fastread.advise_async(self._paths(keys))
+
+    @staticmethod
+    def advise_done(ticket: int, wait: bool = False) -> bool:
+        """Whether the hint with this ticket was carried out (``wait``: block until it is)."""
+        return fastread.advise_done(ticket, wait)
 
     def get(self, key: str) -> dict | None:
         check_key(key)

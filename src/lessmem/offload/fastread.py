@@ -32,6 +32,10 @@ SOURCE = r"""
 #include <sys/stat.h>
 #include <cstring>
 #include <mutex>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <thread>
 #if defined(__PCLMUL__) && defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
@@ -184,10 +188,9 @@ pybind11::list read_blocks(
   return out;
 }
 
-// Ask the OS to read these files into the page cache now (a prefetch hint: returns at
-// once, the reads happen in the background); returns how many files it could open.
-int64_t advise(std::vector<std::string> paths) {
-  pybind11::gil_scoped_release no_gil;
+// Ask the OS to read these files into the page cache (posix_fadvise WILLNEED); returns
+// how many files it could open.
+int64_t advise_now(const std::vector<std::string>& paths) {
   int64_t n = 0;
   for (const auto& path : paths) {
     const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -197,6 +200,67 @@ int64_t advise(std::vector<std::string> paths) {
     ++n;
   }
   return n;
+}
+
+int64_t advise(std::vector<std::string> paths) {
+  pybind11::gil_scoped_release no_gil;
+  return advise_now(paths);
+}
+
+// The same from one native worker thread, so a prefetch hint costs the decoding thread
+// neither a Python thread nor the GIL. Tickets complete in order. The state is created
+// per process (a forked child starts its own worker) and never destroyed (the worker may
+// still wait on it while the interpreter exits).
+struct Advisor {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<int64_t, std::vector<std::string>>> queue;
+  int64_t issued = 0;
+  std::atomic<int64_t> done{0};
+};
+std::atomic<Advisor*> advisor{nullptr};
+std::atomic<pid_t> advisor_pid{0};
+std::mutex advisor_mu;
+
+Advisor* get_advisor() {
+  std::lock_guard<std::mutex> lock(advisor_mu);
+  if (advisor.load() == nullptr || advisor_pid.load() != getpid()) {
+    Advisor* a = new Advisor();
+    advisor.store(a);
+    advisor_pid.store(getpid());
+    std::thread([a] {
+      for (;;) {
+        std::unique_lock<std::mutex> lk(a->mu);
+        a->cv.wait(lk, [a] { return !a->queue.empty(); });
+        auto job = std::move(a->queue.front());
+        a->queue.pop_front();
+        lk.unlock();
+        advise_now(job.second);
+        a->done.store(job.first);
+        a->cv.notify_all();
+      }
+    }).detach();
+  }
+  return advisor.load();
+}
+
+int64_t advise_async(std::vector<std::string> paths) {
+  Advisor* a = get_advisor();
+  std::lock_guard<std::mutex> lock(a->mu);
+  const int64_t ticket = ++a->issued;
+  a->queue.emplace_back(ticket, std::move(paths));
+  a->cv.notify_all();
+  return ticket;
+}
+
+// Whether the hint with this ticket has been carried out (``wait``: block until it is).
+bool advise_done(int64_t ticket, bool wait) {
+  Advisor* a = get_advisor();
+  if (a->done.load() >= ticket || !wait) return a->done.load() >= ticket;
+  pybind11::gil_scoped_release no_gil;
+  std::unique_lock<std::mutex> lk(a->mu);
+  a->cv.wait(lk, [a, ticket] { return a->done.load() >= ticket || a->issued < ticket; });
+  return a->done.load() >= ticket;
 }
 
 int64_t checksum(torch::Tensor data, int64_t crc) {
@@ -222,7 +286,7 @@ def _parts(table: tuple) -> list:
 
 
 def _module():
-    return load_cpp("lessmem_fastread", SOURCE, functions=["read_blocks", "advise", "checksum"], extra_ldflags=["-lz"])
+    return load_cpp("lessmem_fastread", SOURCE, functions=["read_blocks", "advise", "advise_async", "advise_done", "checksum"], extra_ldflags=["-lz"])
 
 
 def available() -> bool:
@@ -250,6 +314,24 @@ def advise(paths: list[str]) -> int:
     if mod is None:
         raise RuntimeError("the compiled block reader is not available here")
     return mod.advise(paths)
+
+
+def advise_async(paths: list[str]) -> int:
+    """``advise`` done by a native background thread; returns a ticket for ``advise_done``
+    (tickets complete in order)."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the compiled block reader is not available here")
+    return mod.advise_async(paths)
+
+
+def advise_done(ticket: int, wait: bool = False) -> bool:
+    """Whether the ``advise_async`` call with this ticket has been carried out; ``wait``:
+    block (without the GIL) until it has."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the compiled block reader is not available here")
+    return mod.advise_done(int(ticket), bool(wait))
 
 
 def crc32(data, crc: int = 0) -> int:
