@@ -373,3 +373,26 @@ def _advise_in_child(path):
     t = DiskTier(path, fsync=False)
     ticket = t.advise_async(t.keys())
     raise SystemExit(0 if t.advise_done(ticket, wait=True) else 1)
+
+
+def test_disk_advise_async_skips_blocks_just_read(tmp_path, monkeypatch):
+    from lessmem.offload import fastread
+
+    if not fastread.available():
+        pytest.skip("no compiler here")
+    t = DiskTier(tmp_path, fsync=False)
+    for i in range(4):
+        t.put(f"k{i}", {"x": torch.arange(8) + i})
+    seen = []
+    real = fastread.advise_async
+    monkeypatch.setattr(fastread, "advise_async", lambda paths: seen.append(paths) or real(paths))
+    keys = [f"k{i}" for i in range(4)]
+    t.advise_async(keys)
+    t.get_many(["k0", "k1"])  # read since: in the page cache, not advised again
+    t.advise_async(keys)
+    t.advise_async(keys)  # nothing read in between: all of them again
+    names = [sorted(Path(p).name for p in ps) for ps in seen]
+    assert names == [[f"k{i}.blk" for i in range(4)], ["k2.blk", "k3.blk"], [f"k{i}.blk" for i in range(4)]]
+    t.delete("k3")
+    t.get("k2")
+    assert "k3" not in t._recent and t._recent == {"k2"}

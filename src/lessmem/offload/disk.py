@@ -81,6 +81,7 @@ class DiskTier(Tier):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
         self._headers: dict[str, tuple] = {}  # key -> (path, header, file bytes, table) seen: get_many
         self._held = 0
+        self._recent: set[str] = set()  # keys read since the last advise_async
         self._scan()
 
     # -- index ------------------------------------------------------------------------
@@ -109,6 +110,7 @@ class DiskTier(Tier):
 
     def _forget(self, key: str) -> None:
         self._headers.pop(key, None)
+        self._recent.discard(key)  # (so it stays within the index)
         size = self._index.pop(key, None)
         if size is not None:
             self._held -= size
@@ -197,6 +199,7 @@ class DiskTier(Tier):
             return None
         with self._lock:
             self._remember(key, blob)
+            self._recent.add(key)
             self.stats.bytes_read += len(blob)
             if key in self._index:
                 self._index.move_to_end(key)
@@ -235,6 +238,7 @@ class DiskTier(Tier):
                     out[i] = block
                     done.add(i)
                     n_bytes += e[2]
+                    self._recent.add(k)
                     if k in self._index:
                         self._index.move_to_end(k)
                 self.stats.hits += len(done)
@@ -271,12 +275,17 @@ class DiskTier(Tier):
             return [self._file(k) for k in keys if k in self._index]
 
     def advise_async(self, keys: list[str]) -> int | None:
-        """``advise`` done by a native background thread (no Python thread, no GIL): returns
-        a ticket for :meth:`advise_done`, or None where the compiled reader is missing (then
-        nothing is done)."""
+        """``advise`` done by a native background thread (no Python thread, no GIL) for the
+        blocks not read since the previous ``advise_async`` (those just read are in the page
+        cache: advising them again costs a page-cache walk for nothing); returns a ticket
+        for :meth:`advise_done`, or None where the compiled reader is missing (then nothing
+        is done)."""
         if not fastread.available():
             return None
-        return fastread.advise_async(self._paths(keys))
+        with self._lock:
+            recent, self._recent = self._recent, set()
+            paths = [self._file(k) for k in keys if k in self._index and k not in recent]
+        return fastread.advise_async(paths)
 
     @staticmethod
     def advise_done(ticket: int, wait: bool = False) -> bool:
