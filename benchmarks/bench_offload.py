@@ -5,7 +5,7 @@ Batch 1, the built-in model (SmolLM2-135M, fused quantized attention), contexts 
 ``int4``); the same state is then copied into :class:`TieredKVCache` variants whose
 device budget leaves ``--disk-share`` (75%) of the quantized blocks on a disk tier
 (fsync'd, CRC-checked files). The variants decode greedily side by side, one step each
-in turn (so machine noise hits all alike):
+in turn, each one first in turn (so machine noise and cache effects hit all alike):
 
 - ``memory``: the in-memory quantized cache (baseline);
 - ``tiered+prefetch``: disk tier with the prefetcher on (``prefetch=True``: "gather" — layer
@@ -124,9 +124,12 @@ def run_context(model, tok, cfg, block_tokens, n_ctx, steps, disk_share, root: P
     times = {n: [] for n in caches}
     exact = True
     with torch.no_grad():
-        for _ in range(steps):
+        order = list(caches)
+        for step in range(steps):
             step_logits = {}
-            for name, c in caches.items():
+            k = step % len(order)
+            for name in order[k:] + order[:k]:  # each variant first in turn
+                c = caches[name]
                 t0 = time.perf_counter()
                 out = model(nxt[name][:, None], **cache_kwargs(model, c))
                 times[name].append(time.perf_counter() - t0)

@@ -561,8 +561,8 @@ class TieredKVCache(KVCache):
         self._staged = 0  # the previous layer's gathered history is no longer used
         hist = None
         if got is not None:
-            out = got[1].result()  # a hint returns None
-            hist = out if got[0] == snap else None
+            out = got[1].result()  # the next layer gathered in the background ("gather")
+            hist = out if got[0] == snap else None  # stale: blocks sealed since
         if hist is None:
             # on the decoding thread, between the model's parallel ops: read on all its cores
             hist = self._gather(layer, self._visible(layer), layer.pending, torch.get_num_threads())

@@ -11,7 +11,8 @@ aside to ``<key>.blk.corrupt`` — never returned as data. A full disk (``ENOSPC
 block over ``capacity`` raises :class:`TierFullError` after removing the temp file; no
 partial block becomes visible. ``get_many`` reads a batch of blocks this store has seen in
 one GIL-free call (:mod:`lessmem.offload.fastread`, same checks) — what a tiered cache
-does for each layer at every decoding step.
+does for each layer at every decoding step; ``advise_async`` asks the OS, from a native
+thread, to bring blocks into the page cache ahead of such reads (a prefetch hint).
 
 Example:
     >>> import tempfile, torch
