@@ -221,7 +221,8 @@ class DiskTier(Tier):
         """``[get(k) for k in keys]``, in one GIL-free batch for the blocks this store has
         read or written before (:mod:`lessmem.offload.fastread`, ``threads`` files at a
         time); the others, and any that fail a check there, go through ``get`` (which
-        reports corruption)."""
+        reports corruption). The batched blocks of one call are views of one reused buffer:
+        holding any of them keeps that whole buffer; ``clone()`` a block to keep it long."""
         for k in keys:
             check_key(k)
         with self._lock:

@@ -83,7 +83,7 @@ uint32_t crc32_of(uint32_t crc, const uint8_t* p, size_t n) {
 // allocation and the page faults of fresh memory at every decoding step.
 std::mutex pool_mu;
 std::vector<torch::Tensor> pool;
-constexpr size_t kPoolMax = 4;
+constexpr size_t kPoolMax = 3;  // the layer attending, the layer prefetched, one in between
 
 bool is_free(const torch::Tensor& t) { return t.use_count() == 1 && t.storage().use_count() == 1; }
 
