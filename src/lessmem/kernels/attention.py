@@ -172,8 +172,6 @@ def _kernel_history(kv):
 
 
 def _torch_path(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None):
-    if isinstance(kv, SegmentedKV):
-        kv = kv.joined
     B, Hq, Tq, D = q.shape
     T = kv.n_tokens
     rep = Hq // kv.keys.codes.shape[1]

@@ -309,12 +309,7 @@ static inline void lowbit_row(const uint8_t* b, const float* f, int64_t GS, cons
       tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_broadcast_ss(f + r * GS + g), tot[r]);
     }
   }
-  for (int r = 0; r < MT; ++r) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    out[r] = _mm_cvtss_f32(h);
-  }
+  for (int r = 0; r < MT; ++r) out[r] = hsum8(tot[r]);
 #else
   constexpr uint32_t MASK = (1u << BITS) - 1;
   for (int r = 0; r < MT; ++r) out[r] = 0.f;
@@ -405,9 +400,7 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, c
             const __m256 vz = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(z + g))));
             va = _mm256_fmadd_ps(_mm256_mul_ps(vs, vz), _mm256_loadu_ps(a + g), va);
           }
-          __m128 h = _mm_add_ps(_mm256_castps256_ps128(va), _mm256_extractf128_ps(va, 1));
-          h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-          zt[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+          zt[r] = hsum8(va);
 #else
           float acc = 0.f;
           for (int64_t g = 0; g < G; ++g) {

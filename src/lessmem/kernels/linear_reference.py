@@ -20,7 +20,7 @@ import torch
 
 from ..formats.packing import unpack_bits
 
-ACT16_MAX = 32258  # 254 · 127: q = 254·hi + lo with hi, lo in [-127, 127]
+ACT16_MAX = 32258  # max |q|: q = 256·hi + lo with hi in [-126, 126], lo in [-128, 127] (linear_cpp)
 
 
 def dequant_grouped_weight(u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
