@@ -167,3 +167,10 @@ def test_segmented_history_rejects_uneven_parts():
         _segments(kv, [0, 32, 96], 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         _segments(kv, [0, 16, 32], 16)
+    # values cut differently from the keys: the kernel would read past a value part
+    from lessmem.kernels.attention import SegmentedKV
+
+    segs = _segments(kv, [0, 64, 96], 64)
+    short = tuple((c[:, :, :8], sc[:, :, :8], z[:, :, :8]) for c, sc, z in segs.v_parts[1:])
+    with pytest.raises(ValueError, match="keys and values alike"):
+        SegmentedKV(segs.k, segs.v, segs.k_parts, (segs.v_parts[0], *short), 64)

@@ -115,7 +115,7 @@ class SegmentedKV:
     def __post_init__(self):
         sizes = [p[0].shape[2] for p in self.k_parts]
         tg = max(self.k.tg, self.v.tg)
-        if not sizes or len(self.v_parts) != len(sizes) or self.seg <= 0 or self.seg % tg \
+        if not sizes or [p[0].shape[2] for p in self.v_parts] != sizes or self.seg <= 0 or self.seg % tg \
                 or any(n != self.seg for n in sizes[:-1]) or not 0 < sizes[-1] <= self.seg:
             raise ValueError(f"SegmentedKV parts of {sizes} tokens, seg={self.seg}; allowed: every part "
                              f"but the last of seg tokens, a multiple of {tg}, keys and values alike")
