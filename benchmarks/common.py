@@ -43,18 +43,6 @@ def header(**shapes) -> dict:
     return h
 
 
-def timeit(fn, repeat: int = 10, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def interleaved(fns: dict, x, repeat: int, warmup: int = 3) -> dict:
     """Median seconds of each callable ``f(x)``, timed round-robin so a noisy neighbour
     hits all alike."""
