@@ -21,8 +21,9 @@ prefetch lateness. Then the peak process RSS (sampled every 2 ms) of two fresh
 subprocesses that restore the saved state from the disk store and decode: all blocks
 in RAM vs the tiered cache under the budget.
 
-    python benchmarks/bench_offload.py                 # built-in model, 4k and 8k
-    python benchmarks/bench_offload.py --quick         # CI: tiny random model
+    python benchmarks/bench_offload.py                      # built-in model, 4k and 8k
+    python benchmarks/bench_offload.py --block-tokens 1024  # same, written to offload_b1024.json
+    python benchmarks/bench_offload.py --quick              # CI: tiny random model
 """
 
 from __future__ import annotations
@@ -241,8 +242,8 @@ def main() -> int:
         raise SystemExit(f"--disk-share={args.disk_share}; allowed: 0..1")
     contexts = [int(x) for x in (args.contexts or ("320" if args.quick else "4096,8192")).split(",")]
     steps = args.steps or (4 if args.quick else 24)
-    model, tok, cfg, block_tokens = load_model(args.quick)
-    block_tokens = args.block_tokens or block_tokens
+    model, tok, cfg, default_block_tokens = load_model(args.quick)
+    block_tokens = args.block_tokens or default_block_tokens
     enable(model)
     h = header(model="tiny-random-24L" if args.quick else "smollm2-135m", kv_preset="int4",
                window=cfg.window, block_tokens=block_tokens, contexts=contexts, steps=steps,
@@ -267,7 +268,9 @@ def main() -> int:
                       f"process peak drop {res['rss']['peak_rss_drop_mib']:.1f} MiB")
             results["contexts"].append(res)
     results["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    write_result("offload", results, args.out, args.quick)
+    # a non-default block size gets its own file (offload_b1024.json) instead of overwriting offload.json
+    stem = "offload" if args.quick or block_tokens == default_block_tokens else f"offload_b{block_tokens}"
+    write_result(stem, results, args.out, args.quick)
     return 0
 
 
