@@ -116,6 +116,19 @@ def split_tokens(context: int, p: KVPrecision) -> tuple[int, int]:
     return n_q, context - n_q
 
 
+def layer_quant_bytes(model, p: KVPrecision, n_tokens: int, batch: int = 1) -> tuple[float, float]:
+    """(codes, meta) bytes of ``n_tokens`` quantized tokens of one layer for ``batch`` requests
+    (pass batch·layers for several layers): codes ``B·H·n·D·(k_bits + v_bits)/8``, meta one
+    scale (and zero point) per group per head, ``B·H·(groups_k·k_meta + groups_v·v_meta)``."""
+    H, D = model.kv_heads, model.head_dim
+    codes = batch * H * n_tokens * D * (p.k_bits + p.v_bits) / 8
+    k_meta = p.k_scale_bytes + p.k_zero_point_bytes
+    v_meta = p.v_scale_bytes + p.v_zero_point_bytes
+    meta = batch * H * (_groups(n_tokens, D, p.k_group_tokens, p.k_group_channels) * k_meta
+                        + _groups(n_tokens, D, p.v_group_tokens, p.v_group_channels) * v_meta)
+    return codes, meta
+
+
 def kv_bytes(model, context: int, batch: int, p: KVPrecision) -> dict:
     """Bytes the KV cache holds for ``batch`` requests of ``context`` tokens, by part.
 
@@ -134,13 +147,10 @@ def kv_bytes(model, context: int, batch: int, p: KVPrecision) -> dict:
     Lq = L - p.skip_layers
     n_q, n_full = split_tokens(context, p)
     elems = H * D  # one of K or V, one layer, one token
-    # codes: [B, Lq, n_q, H, D] at k_bits and v_bits
-    codes = batch * Lq * n_q * elems * (p.k_bits + p.v_bits) / 8
+    # codes: [B, Lq, n_q, H, D] at k_bits and v_bits; scales: per group per head
+    codes, scales = layer_quant_bytes(model, p, n_q, batch * Lq)
     k_meta = p.k_scale_bytes + p.k_zero_point_bytes
     v_meta = p.v_scale_bytes + p.v_zero_point_bytes
-    scales = batch * Lq * H * (
-        _groups(n_q, D, p.k_group_tokens, p.k_group_channels) * k_meta
-        + _groups(n_q, D, p.v_group_tokens, p.v_group_channels) * v_meta)
     full = batch * (Lq * n_full + p.skip_layers * context) * 2 * elems * p.full_bytes
     total = codes + scales + full
     k_elems_group = p.k_group_tokens * min(p.k_group_channels or D, D)

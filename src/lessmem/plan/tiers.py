@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .kv import KVPrecision, _groups
+from .kv import KVPrecision, layer_quant_bytes
 from .tierspec import TierSpec, format_offload_spec, parse_offload_spec, size_text
 from .units import parse_bytes
 
@@ -53,12 +53,7 @@ from .units import parse_bytes
 def quantized_bytes(model, p: KVPrecision, n_tokens: int, batch: int = 1) -> int:
     """Bytes of ``n_tokens`` quantized tokens of one layer (codes, scales, zero points):
     ``B·H·n·D·(k_bits + v_bits)/8`` plus one scale (and zero point) per group per head."""
-    H, D = model.kv_heads, model.head_dim
-    codes = batch * H * n_tokens * D * (p.k_bits + p.v_bits) / 8
-    meta = batch * H * (_groups(n_tokens, D, p.k_group_tokens, p.k_group_channels)
-                        * (p.k_scale_bytes + p.k_zero_point_bytes)
-                        + _groups(n_tokens, D, p.v_group_tokens, p.v_group_channels)
-                        * (p.v_scale_bytes + p.v_zero_point_bytes))
+    codes, meta = layer_quant_bytes(model, p, n_tokens, batch)
     return int(math.ceil(codes + meta)) if n_tokens else 0
 
 
