@@ -27,16 +27,13 @@ Example:
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..formats.gguf import quantize_gguf
 from ..kernels import gguf_linear_cpp as kernel
-
-FUSED_MAX_ROWS = 16  # above this many rows, decode once and use BLAS (compute-bound)
+from .qlinear import FUSED_MAX_ROWS, held_nbytes  # FUSED_MAX_ROWS: above it, decode once + BLAS
 
 
 class GGUFLinear(nn.Module):
@@ -89,8 +86,7 @@ class GGUFLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor the layer holds (raw blocks + bias)."""
-        return sum(t.numel() * t.element_size()
-                   for t in itertools.chain(self.buffers(), self.parameters()))
+        return held_nbytes(self)
 
     def dequantized_weight(self) -> torch.Tensor:
         """float32 ``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf`` (a new tensor)."""

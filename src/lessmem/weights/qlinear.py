@@ -45,6 +45,12 @@ from .rtn import QuantizedWeight, rtn_quantize
 FUSED_MAX_ROWS = 16  # above this many rows, dequantize once and use BLAS (compute-bound)
 
 
+def held_nbytes(module: nn.Module) -> int:
+    """Bytes of every tensor ``module`` holds (buffers and parameters, submodules included)."""
+    return sum(t.numel() * t.element_size()
+               for t in itertools.chain(module.buffers(), module.parameters()))
+
+
 class QuantLinear(nn.Module):
     """A linear layer with ``bits``-bit group-wise weights; see the module doc."""
 
@@ -147,8 +153,7 @@ class QuantLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor the layer holds at run time (codes, scales, zeros, bias)."""
-        return sum(t.numel() * t.element_size()
-                   for t in itertools.chain(self.buffers(), self.parameters()))
+        return held_nbytes(self)
 
     @property
     def bits_per_weight(self) -> float:
