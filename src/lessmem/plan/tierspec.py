@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .units import parse_bytes
+from .units import parse_bytes, size_text  # size_text re-exported: callers import it from here
 
 KINDS = ("device", "host", "disk", "remote")
 
@@ -72,14 +72,6 @@ class TierSpec:
         """
         head = {"device": "device", "host": "host", "disk": f"disk:{self.target}"}.get(self.kind, self.target)
         return head if self.capacity is None else f"{head}@{size_text(self.capacity)}"
-
-
-def size_text(n: int) -> str:
-    """Bytes as the largest exact binary unit: ``size_text(3 * 2**30) == "3GiB"``, ``"1000B"``."""
-    for unit, div in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n and n % div == 0:
-            return f"{n // div}{unit}"
-    return f"{n}B"
 
 
 def format_offload_spec(specs) -> str:

@@ -29,6 +29,7 @@ BINARY = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "p": 1024*
 DECIMAL = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
+_BINARY_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))  # largest first
 
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.I)
 
@@ -107,7 +108,7 @@ def fmt_bytes(n: float, both: bool = True) -> str:
     n = float(n)
     if n < KiB:
         return f"{n:,.0f} B"
-    for unit, div in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    for unit, div in _BINARY_UNITS:
         if n >= div:
             binary = f"{n / div:,.2f} {unit}"
             break
@@ -117,6 +118,15 @@ def fmt_bytes(n: float, both: bool = True) -> str:
         if n >= div:
             return f"{binary} ({n / div:,.2f} {unit})"
     return binary
+
+
+def size_text(n: int) -> str:
+    """Bytes as the largest exact binary unit: ``size_text(3 * 2**30) == "3GiB"``, ``"1000B"``
+    (no space, so ``parse_bytes`` and ``--offload host@3GiB`` read it back exactly)."""
+    for unit, div in _BINARY_UNITS:
+        if n and n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n}B"
 
 
 def fmt_rate(bps: float) -> str:
