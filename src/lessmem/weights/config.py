@@ -291,8 +291,10 @@ __all__ = ["WeightConfig", "RTNConfig", "HQQConfig", "GPTQConfig", "AWQConfig", 
 class GGUFConfig:
     """Apply a GGUF type or llama.cpp mix (``"Q4_K_M"``, ``"Q6_K"``, ``"Q8_0"``, ``"Q4_0"`` …) to
     a model's linears in memory: each weight is encoded with ``formats.gguf`` in the type the
-    mix rules give it (``gguf_mix.tensor_type``) and decoded back in place (what llama.cpp
-    would compute with, for quality tables). ``skip``: name patterns left untouched.
+    mix rules give it (``gguf_mix.tensor_type``) and its ``nn.Linear`` replaced by a
+    ``GGUFLinear`` holding the raw blocks (fused dequant-matmul, what llama.cpp computes with);
+    only an ``lm_head`` tied to the embeddings is decoded back in place (see
+    ``weights.gguf_apply``). ``skip``: name patterns left untouched.
 
     Example:
         >>> GGUFConfig("Q4_K_M").type
