@@ -63,7 +63,7 @@ from lessmem._paths import cache_dir, repo_data_file  # noqa: E402
 from lessmem.eval.perplexity import make_windows  # noqa: E402
 from lessmem.eval.text import pydoc_corpus  # noqa: E402
 from lessmem.plan.gguf_rules import type_bytes  # noqa: E402
-from lessmem.weights.gguf_mix import gguf_name, tensor_type  # noqa: E402
+from lessmem.weights.gguf_mix import gguf_name  # noqa: E402
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Q41_NOTE = ("built-in file is Q4_1-quantized (4-bit, groups of 32): its float weights already "
@@ -221,29 +221,28 @@ def gguf_tensors_file(model, mix: str, path: Path) -> dict:
     """A GGUF file holding every weight of ``model`` in llama.cpp's ``mix`` (no tokenizer)."""
     import gguf
 
-    from lessmem.formats.gguf import gguf_type, quantize_gguf
+    from lessmem.weights.gguf_export import add_tensors
 
     cfg = model.config
     n_layers = cfg.num_hidden_layers
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    n_gqa = heads // int(getattr(cfg, "num_key_value_heads", None) or heads)  # as apply_gguf
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+
+    def tensors():
+        for key, t in model.state_dict().items():
+            if tied and key == "lm_head.weight":
+                continue
+            g = names.get(key) or gguf_name(key.removesuffix(".weight"))
+            if g is None:
+                g = (key.replace("model.layers.", "blk.").replace("input_layernorm", "attn_norm")
+                     .replace("post_attention_layernorm", "ffn_norm"))
+            yield g, t.detach().float().numpy()
+
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(n_layers)
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    types = {}
-    for key, t in model.state_dict().items():
-        if tied and key == "lm_head.weight":
-            continue
-        g = names.get(key) or gguf_name(key.removesuffix(".weight"))
-        if g is None:
-            g = (key.replace("model.layers.", "blk.").replace("input_layernorm", "attn_norm")
-                 .replace("post_attention_layernorm", "ffn_norm"))
-        typ = tensor_type(mix, g, t.shape[-1], n_layers, has_output=not tied, ndim=t.dim())
-        a = t.detach().float().numpy()
-        if typ == "f32":
-            w.add_tensor(g, a)
-        else:
-            w.add_tensor(g, quantize_gguf(a, typ), raw_dtype=gguf.GGMLQuantizationType(gguf_type(typ).ggml_id))
-        types[g] = typ
+    types, _ = add_tensors(w, tensors(), mix, n_layers, has_output=not tied, n_gqa=n_gqa)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

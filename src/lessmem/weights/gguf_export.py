@@ -39,6 +39,33 @@ def _copy_metadata(reader, writer, mix: str) -> None:
     writer.add_file_type(FILE_TYPE_IDS[mix])
 
 
+def add_tensors(writer, tensors, mix: str, n_layers: int, has_output: bool, n_gqa: int = 1,
+                progress: bool = False, total: int | None = None) -> tuple[dict, int]:
+    """Add each ``(gguf_name, float array)`` of ``tensors`` to the ``gguf.GGUFWriter`` in the
+    type ``gguf_mix.tensor_type`` picks for ``mix`` (``n_layers``, ``has_output``, ``n_gqa``:
+    query heads per KV head, as llama.cpp's rules take them); arrays in numpy order
+    ([rows, cols]), cast to float32. Returns (name → type, bytes of the tensor data)."""
+    import gguf
+
+    types: dict[str, str] = {}
+    nbytes = 0
+    for i, (name, a) in enumerate(tensors):
+        w = np.asarray(a, dtype=np.float32)
+        typ = tensor_type(mix, name, w.shape[-1], n_layers, has_output, ndim=w.ndim, n_gqa=n_gqa)
+        if typ == "f32":
+            writer.add_tensor(name, w)
+            nbytes += w.nbytes
+        else:
+            raw = quantize_gguf(w, typ)
+            writer.add_tensor(name, raw,  # byte shape [rows, row_bytes]
+                              raw_dtype=gguf.GGMLQuantizationType(gguf_type(typ).ggml_id))
+            nbytes += raw.nbytes
+        types[name] = typ
+        if progress and (i % 20 == 0 or (total is not None and i == total - 1)):
+            print(f"[{i + 1}/{total if total is not None else '?'}] {name}: {typ}", file=sys.stderr, flush=True)
+    return types, nbytes
+
+
 def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     """Write ``out`` from ``src`` in the type mix ``mix``; returns a per-type tensor count and sizes."""
     import gguf
@@ -59,26 +86,15 @@ def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch)
     _copy_metadata(reader, writer, mix)
-    counts: Counter = Counter()
-    nbytes = 0
-    for i, t in enumerate(reader.tensors):
-        shape = [int(s) for s in reversed(list(t.shape))]  # numpy order: [rows, cols]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        typ = tensor_type(mix, t.name, shape[-1], n_layers, has_output, ndim=len(shape), n_gqa=n_gqa)
-        if typ == "f32":
-            writer.add_tensor(t.name, w)
-            nbytes += w.nbytes
-        else:
-            raw = quantize_gguf(w, typ)
-            writer.add_tensor(t.name, raw,  # byte shape [rows, row_bytes]
-                              raw_dtype=gguf.GGMLQuantizationType(gguf_type(typ).ggml_id))
-            nbytes += raw.nbytes
-        counts[typ] += 1
-        if progress and (i % 20 == 0 or i == len(reader.tensors) - 1):
-            print(f"[{i + 1}/{len(reader.tensors)}] {t.name}: {typ}", file=sys.stderr, flush=True)
+    tensors = ((t.name, gguf.quants.dequantize(t.data, t.tensor_type)
+                .reshape([int(s) for s in reversed(list(t.shape))])  # numpy order: [rows, cols]
+                .astype(np.float32))  # a copy, not a view of the reader's read-only map
+               for t in reader.tensors)
+    types, nbytes = add_tensors(writer, tensors, mix, n_layers, has_output, n_gqa,
+                                progress=progress, total=len(reader.tensors))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"mix": mix, "tensors": dict(counts), "tensor_bytes": nbytes,
+    return {"mix": mix, "tensors": dict(Counter(types.values())), "tensor_bytes": nbytes,
             "file_bytes": out.stat().st_size}
