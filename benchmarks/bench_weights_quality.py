@@ -402,8 +402,8 @@ def main() -> int:
         args.models, args.windows, args.window_len, args.n_samples = "tiny-random", 2, 64, 4
         args.calib_len, args.decode_tokens = 64, 4
         args.only = args.only or "RTN 4,GPTQ 4,Q4_K_M"
-    h = header(models=args.models, windows=args.windows, window_len=args.window_len,
-               n_samples=args.n_samples, calib_len=args.calib_len, text=source)
+    # windows, window length and calibration are per model, in each result's "protocol"
+    h = header(models=args.models, text=source)
     results = []
     stem = "bench_weights_quality" if args.quick or "," in args.models else f"bench_weights_quality_{args.models}"
 
