@@ -33,7 +33,8 @@ VARIANTS = {  # name -> (bits, group_size, symmetric)
     "int2_g128": (2, 128, False),
 }
 SHAPES = [(576, 1536), (1536, 576), (4096, 4096), (4096, 11008), (11008, 4096)]
-BATCH_SHAPES = [(576, 1536), (4096, 4096)]  # also timed at batch 4 and 16
+BATCH_SHAPES = [(576, 1536), (4096, 4096)]  # timed at every batch of BATCHES; other shapes at 1
+BATCHES = [1, 4, 16]  # 4 and 16: the fused kernel's row tiles
 
 
 class LowbitInt4(torch.nn.Module):
@@ -75,7 +76,7 @@ def main() -> int:
     batch_shapes = [(256, 512)] if args.quick else BATCH_SHAPES
     repeat = 5 if args.quick else args.repeat
     all_threads = torch.get_num_threads()
-    h = header(shapes=shapes, batch=1, batch_shapes=batch_shapes, batches=[1, 4, 16],
+    h = header(shapes=shapes, batch_shapes=batch_shapes, batches=BATCHES,
                variants=[*VARIANTS, "int4_g128_lowbit"],
                lowbit_simd=linear_cpp._mod().simd_build() if linear_cpp.available() else None)
     rows = []
@@ -89,7 +90,7 @@ def main() -> int:
             qs[name] = QuantLinear.from_linear(lin, bits, g, sym)
         qs["int4_g128_lowbit"] = LowbitInt4(qs["int4_g128"])
         errs = {name: check(q, lin) for name, q in qs.items()}
-        batches = [1, 4, 16] if (k, n) in batch_shapes else [1]
+        batches = BATCHES if (k, n) in batch_shapes else [1]
         for batch in batches:
             x = torch.randn(batch, k)
             for threads in sorted({1, all_threads}):
