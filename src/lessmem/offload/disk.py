@@ -80,7 +80,7 @@ class DiskTier(Tier):
         except OSError as e:
             raise ValueError(f"disk tier path {str(path)!r} is not a usable directory: {e}") from e
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
-        self._headers: dict[str, tuple] = {}  # key -> (path, header, file bytes, table) seen: get_many
+        self._headers: dict[str, tuple] = {}  # key -> (path, header, file bytes, parts) seen: get_many
         self._held = 0
         self._recent: set[str] = set()  # keys read since the last advise_async
         self._scan()
@@ -215,7 +215,7 @@ class DiskTier(Tier):
         header = bytes(memoryview(blob)[HEADER_BYTES:HEADER_BYTES + hlen])
         table, qdesc, _ = _parse_header(header, plen)
         if not qdesc:  # plain tensors only; QTensor blocks take the Python path
-            self._headers[key] = (self._file(key), header, len(blob), table)
+            self._headers[key] = (self._file(key), header, len(blob), fastread.kernel_parts(table))
 
     def get_many(self, keys: list[str], threads: int = 1) -> list[dict | None]:
         """``[get(k) for k in keys]``, in one GIL-free batch for the blocks this store has
@@ -223,10 +223,9 @@ class DiskTier(Tier):
         time); the others, and any that fail a check there, go through ``get`` (which
         reports corruption). The batched blocks of one call are views of one reused buffer:
         holding any of them keeps that whole buffer; ``clone()`` a block to keep it long."""
-        for k in keys:
-            check_key(k)
-        with self._lock:
-            known = [(i, k, self._headers[k]) for i, k in enumerate(keys) if k in self._headers]
+        with self._lock:  # (keys it holds were checked when stored; get checks the others)
+            known = [(i, k, self._headers[k]) for i, k in enumerate(keys)
+                     if isinstance(k, str) and k in self._headers]
         out: list[dict | None] = [None] * len(keys)
         done = set()
         if known and fastread.available():

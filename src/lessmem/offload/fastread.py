@@ -272,17 +272,10 @@ int64_t checksum(torch::Tensor data, int64_t crc) {
 """.replace("FIXED_BYTES", str(HEADER_BYTES)).replace("MAGIC_BYTES", MAGIC.decode())
 
 
-_PARTS: dict[int, tuple] = {}  # id(table) -> (table, kernel form): tables are cached, few and shared
-
-
-def _parts(table: tuple) -> list:
-    hit = _PARTS.get(id(table))
-    if hit is None or hit[0] is not table:
-        if len(_PARTS) > 4096:
-            _PARTS.clear()
-        hit = _PARTS[id(table)] = (table, [(name, o, n, _DTYPE_CODES[dt], list(shape))
-                                           for name, dt, shape, o, n in table])
-    return hit[1]
+def kernel_parts(table: tuple) -> list:
+    """A block's ``(name, dtype, shape, offset, nbytes)`` table (``serialize._parse_header``)
+    in the form ``read_blocks`` takes; a store computes it once per block it knows."""
+    return [(name, o, n, _DTYPE_CODES[dt], list(shape)) for name, dt, shape, o, n in table]
 
 
 def _module():
@@ -295,16 +288,16 @@ def available() -> bool:
 
 
 def read_blocks(paths: list[str], headers: list[bytes], sizes: list[int],
-                tables: list[tuple], threads: int = 1) -> list[dict | None]:
+                parts: list[list], threads: int = 1) -> list[dict | None]:
     """Blocks of plain tensors from files (see module doc); None where a file is missing,
-    is not ``sizes[i]`` bytes long, or fails a check. ``tables[i]``: the block's ``(name,
-    dtype, shape, offset, nbytes)`` entries (``serialize._parse_header``). The tensors are
-    views of one reused buffer per batch (freed for reuse when none of them is referenced).
-    ``threads``: files read and checked in parallel (the caller's idle cores while decoding)."""
+    is not ``sizes[i]`` bytes long, or fails a check. ``parts[i]``: the block's
+    :func:`kernel_parts`. The tensors are views of one reused buffer per batch (freed for
+    reuse when none of them is referenced). ``threads``: files read and checked in
+    parallel (the caller's idle cores while decoding)."""
     mod = _module()
     if mod is None:
         raise RuntimeError("the compiled block reader is not available here; use DiskTier.get")
-    return mod.read_blocks(paths, headers, sizes, [_parts(t) for t in tables], int(threads))
+    return mod.read_blocks(paths, headers, sizes, parts, int(threads))
 
 
 def advise(paths: list[str]) -> int:
