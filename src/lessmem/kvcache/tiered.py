@@ -176,8 +176,8 @@ class TieredKVLayer(QuantizedKVLayer):
         if not parts:
             return None
         bt = self.owner.block_tokens
-        if len(parts) == 1 or parts[0]["k_codes"].device.type != "cpu" \
-                or bt % self.kspec.group_shape(self.head_dim)[0] or bt % self.vspec.group_shape(self.head_dim)[0]:
+        # (block_tokens is a multiple of block_size, itself a multiple of both token groups)
+        if len(parts) == 1 or parts[0]["k_codes"].device.type != "cpu":
             return self._kv(_join(parts))
         # the blocks as they lie (device tier) or arrived (lower tiers): read in place
         if self._sides is None:  # the formats (bits, groups, level table) of this layer, no data
@@ -496,13 +496,12 @@ class TieredKVCache(KVCache):
     def _gather(self, layer: TieredKVLayer, keys: list[str], pending, threads: int = 1) -> list[dict]:
         """The layer's blocks in order (device-tier blocks by reference, lower-tier blocks
         as the copies just read, ``threads`` files at a time) plus the partial block."""
-        parts = [self.device_tier.get(k, touch=False) for k in keys]
+        parts = self.device_tier.get_many(keys, touch=False)
         todo = [i for i, p in enumerate(parts) if p is None]
         for t in self.lower:  # the rest in one batch per tier (DiskTier: one GIL-free call)
             if not todo:
                 break
-            got = t.get_many([keys[i] for i in todo], threads=threads) if hasattr(t, "get_many") else \
-                [t.get(keys[i]) for i in todo]
+            got = t.get_many([keys[i] for i in todo], threads=threads)
             for i, b in zip(todo, got, strict=True):
                 parts[i] = b
             todo = [i for i in todo if parts[i] is None]
@@ -537,7 +536,7 @@ class TieredKVCache(KVCache):
                     self.prefetch_stats.late += 1
             self._hints = []
         for t in self.lower:
-            ticket = t.advise_async(keys) if keys and hasattr(t, "advise_async") else None
+            ticket = t.advise_async(keys) if keys else None
             if ticket is not None:
                 with self._plock:
                     self.prefetch_stats.issued += 1
@@ -571,8 +570,8 @@ class TieredKVCache(KVCache):
         # held beside the device tier: the blocks read from lower tiers, and any block the
         # rebalance just demoted that this read still references
         h0 = self._hidden_blocks(layer)
-        self._staged = sum(b for k, b in zip(layer.block_keys[h0:], layer.block_bytes[h0:], strict=True)
-                           if not self.device_tier.contains(k))
+        held = self.device_tier.contains_many(layer.block_keys[h0:])
+        self._staged = sum(b for b, on in zip(layer.block_bytes[h0:], held, strict=True) if not on)
         mode = self.prefetch_mode if len(self.tiered) > 1 else None
         if mode == "gather":
             nxt = self.tiered[(self.tiered.index(layer) + 1) % len(self.tiered)]

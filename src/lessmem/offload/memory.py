@@ -113,16 +113,30 @@ class MemoryTier(Tier):
 
     def get(self, key: str, touch: bool = True) -> dict | None:
         """The block (``touch=False``: without making it most recently used)."""
+        return self.get_many([key], touch=touch)[0]
+
+    def get_many(self, keys: list[str], threads: int = 1, touch: bool = True) -> list[dict | None]:
+        """``[get(k, touch) for k in keys]`` under one lock (a tiered cache looks up every
+        block of a layer at every decoding step)."""
+        out = []
         with self._lock:
-            entry = self._blocks.get(key)
-            if entry is None:
-                self.stats.misses += 1
-                return None
-            if touch:
-                self._blocks.move_to_end(key)
-            self.stats.hits += 1
-            self.stats.bytes_read += entry[1]
-            return entry[0]
+            for key in keys:
+                entry = self._blocks.get(key)
+                if entry is None:
+                    self.stats.misses += 1
+                    out.append(None)
+                    continue
+                if touch:
+                    self._blocks.move_to_end(key)
+                self.stats.hits += 1
+                self.stats.bytes_read += entry[1]
+                out.append(entry[0])
+        return out
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """``[contains(k) for k in keys]`` under one lock."""
+        with self._lock:
+            return [k in self._blocks for k in keys]
 
     def delete(self, key: str) -> bool:
         with self._lock:

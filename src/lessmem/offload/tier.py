@@ -121,6 +121,20 @@ class Tier(ABC):
                 self._pool = ThreadPoolExecutor(2, thread_name_prefix=f"lessmem-{self.name}")
         return self._pool.submit(self.get, key)
 
+    def get_many(self, keys: list[str], threads: int = 1) -> list[dict | None]:
+        """``[get(k) for k in keys]``; a tier that can read a batch faster overrides it
+        (``threads``: how many cores it may use)."""
+        return [self.get(k) for k in keys]
+
+    def advise_async(self, keys: list[str]) -> int | None:
+        """Prefetch hint: start bringing these blocks closer in the background; returns a
+        ticket for ``advise_done``, or None when this tier has nothing to do (the default)."""
+        return None
+
+    def advise_done(self, ticket: int, wait: bool = False) -> bool:
+        """Whether the hint with this ticket was carried out (``wait``: block until it is)."""
+        return True
+
     def pin(self, key: str) -> None:
         """Never evict ``key`` (sinks, window) until ``unpin``."""
         with self._lock:
