@@ -179,8 +179,9 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
                          "redis://... (the device's size is --kv-budget)")
     budget = None if kv_budget is None else parse_bytes(kv_budget, "--kv-budget")
     preset = spec.config
-    check_block_tokens(block_tokens, (lessmem_presets()[preset] if isinstance(preset, str) else preset).block_size,
-                       spec.name)
+    from lessmem.kvcache.presets import resolve
+
+    check_block_tokens(block_tokens, resolve(preset).block_size, spec.name)
 
     def make(cfg):
         from lessmem.kvcache.tiered import TieredKVCache

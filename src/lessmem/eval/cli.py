@@ -18,7 +18,6 @@ carry the same under ``"offload"``. The passkey test runs the in-memory caches.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -194,13 +193,9 @@ def run(args) -> int:
             # in-memory caches: the tiered ones are bit-exact, and passkey does not close caches
             pk = passkey_eval(model, tok, names, lengths, depths, progress=prog)
 
-    from lessmem.eval.report import json_rows, plot, print_table
+    from lessmem.eval.report import dumps, plot, print_table
 
-    out = json_rows(rows, pk)
-    for o, r in zip(out, rows, strict=True):
-        if "offload" in r:
-            o["offload"] = r["offload"]
-    js = json.dumps(out, indent=2)
+    js = dumps(rows, pk)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(js + "\n")

@@ -36,7 +36,7 @@ def json_rows(rows: list[dict], passkey: dict | None = None) -> list[dict]:
     for r in rows:
         o = {k: r[k] for k in JSON_KEYS if k in r}
         o["kv_mib"] = r["kv_bytes"] / MIB
-        for k in ("memory", "detail"):
+        for k in ("memory", "detail", "offload"):
             if k in r:
                 o[k] = r[k]
         if passkey and r["config"] in passkey:
