@@ -33,6 +33,14 @@ class TierFullError(ValueError):
     """A block cannot be stored: larger than the tier, everything else pinned, or disk full."""
 
 
+class TierUnavailableError(RuntimeError):
+    """The tier cannot be reached or refused the operation (Redis down, error reply).
+
+    A ``put`` that raises this has stored nothing: the caller keeps the block. A ``get``
+    from an unavailable tier is a miss, never this error (the cache recomputes).
+    """
+
+
 def check_key(key) -> str:
     if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ValueError(f"block key {key!r} is invalid; allowed: 1-200 chars of [A-Za-z0-9_.:-]")
