@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import header, parser, write_result  # noqa: E402
 
-from lessmem._paths import repo_data_file  # noqa: E402
+from lessmem.base.paths import repo_data_file  # noqa: E402
 from lessmem.eval.caches import (  # noqa: E402
     available_peers,
     lessmem_presets,
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     if src is not None:
         text_name, text = "wikitext-2-raw/wiki.test.raw", src.read_text(encoding="utf-8")
     else:  # the protocol still runs where the shared data is absent
-        from lessmem.eval.text import load_text
+        from lessmem.base.corpus import load_text
 
         text_name, text = load_text("pydoc")
 

@@ -65,7 +65,7 @@ def load_model(quick: bool):
 
 
 def context_ids(tok, n: int, vocab: int) -> torch.Tensor:
-    from lessmem._paths import repo_data_file
+    from lessmem.base.paths import repo_data_file
 
     path = repo_data_file("wikitext-2-raw", "wiki.test.raw")
     if tok is not None and path is not None:

@@ -19,7 +19,7 @@ Columns: ``bpw_all_linears`` = 8 x bytes / weights over every linear incl. ``lm_
 (``bpw_block_linears``: the decoder blocks' linears only), bytes as held in memory:
 QuantLinear / GGUFLinear buffers (codes, scales, zero points), float linears at 4 bytes
 (a tied lm_head once, float in every row); ``bpw_all_linears_file`` counts a GGUF row's
-float-held tensors at their GGUF block size (``plan.gguf_rules.type_bytes``); ``disk_bytes``: the file(s)
+float-held tensors at their GGUF block size (``base.gguf_rules.type_bytes``); ``disk_bytes``: the file(s)
 written (``save_pretrained`` for fp32, ``save_quantized`` for lessmem rows, a GGUF file
 for GGUF rows: ``export_gguf`` of the built-in file, or a tensors-only GGUF written here
 for a model without a source .gguf); decode: greedy batch-1 decoding of
@@ -59,10 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, parser, write_result  # noqa: E402
 
 import lessmem  # noqa: E402
-from lessmem._paths import cache_dir, repo_data_file  # noqa: E402
+from lessmem.base.corpus import pydoc_corpus  # noqa: E402
+from lessmem.base.gguf_rules import type_bytes  # noqa: E402
+from lessmem.base.paths import cache_dir, repo_data_file  # noqa: E402
 from lessmem.eval.perplexity import make_windows  # noqa: E402
-from lessmem.eval.text import pydoc_corpus  # noqa: E402
-from lessmem.plan.gguf_rules import type_bytes  # noqa: E402
 from lessmem.weights.gguf_mix import gguf_name  # noqa: E402
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -182,7 +182,7 @@ def linear_bits(model, report: dict) -> dict:
     ``bpw_*``: the bytes held in memory (QuantLinear / GGUFLinear buffers: codes, scales,
     zero points; float linears at their dtype; a tied lm_head counts once, and a GGUF row's
     tied lm_head stays float in memory); ``bpw_all_linears_file``: what the file stores, a
-    GGUF-encoded float layer at its GGUF block size (``plan.gguf_rules.type_bytes``)."""
+    GGUF-encoded float layer at its GGUF block size (``base.gguf_rules.type_bytes``)."""
     gguf_types = report.get("types", {})
     blk_b = blk_n = all_b = all_n = file_b = 0
     seen, classes = set(), Counter()

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from lessmem._paths import cache_dir, repo_data_file
+from lessmem.base.paths import cache_dir, repo_data_file
 from lessmem.models import tiny_random, tiny_tokenizer
 
 NAME = "wiki-byte-llama"

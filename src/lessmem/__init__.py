@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from lessmem._lazy import lazy_exports
+from lessmem.base.lazy import lazy_exports
 
 __version__ = "0.1.0"
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from lessmem._paths import cache_dir
+from lessmem.base.paths import cache_dir
 
 
 class ModelFetchError(RuntimeError):

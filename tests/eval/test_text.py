@@ -2,7 +2,7 @@
 
 import pytest
 
-from lessmem._paths import repo_data_file
+from lessmem.base.paths import repo_data_file
 from lessmem.eval import load_text
 
 

@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def reader():
-    from lessmem._paths import cache_dir
+    from lessmem.base.paths import cache_dir
 
     path = cache_dir("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():  # fetch (and sha256-check) it the way lessmem.load does

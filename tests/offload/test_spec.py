@@ -1,6 +1,14 @@
 import pytest
 
-from lessmem.offload import DiskTier, HostTier, RedisTier, TierSpec, parse_bytes, parse_offload_spec
+from lessmem.offload import (
+    DiskTier,
+    HostTier,
+    RedisTier,
+    TierSpec,
+    build_tier,
+    parse_bytes,
+    parse_offload_spec,
+)
 
 
 @pytest.mark.parametrize("text,n", [("64MiB", 64 << 20), ("1.5GB", 1_500_000_000), ("512", 512),
@@ -17,8 +25,8 @@ def test_parse_bytes_rejects(bad):
 
 
 def test_one_size_rule_for_offload_and_plan():
-    """--kv-budget 2G means the same bytes to generate/eval (offload) and plan (units)."""
-    from lessmem.plan import units
+    """--kv-budget 2G means the same bytes to generate/eval (offload) and plan (base.units)."""
+    from lessmem.base import units
 
     assert parse_bytes is units.parse_bytes
     assert parse_offload_spec("host@2G")[0].capacity == units.parse_bytes("2GiB") == 2 << 30
@@ -31,7 +39,7 @@ def test_parse_offload_spec(tmp_path):
         {"kind": "disk", "target": f"{tmp_path}/kv", "capacity": 10_000_000},
         {"kind": "remote", "target": "redis://:pw@127.0.0.1:6379/0", "capacity": 2 << 20},
     ]
-    tiers = [s.build() for s in specs]
+    tiers = [build_tier(s) for s in specs]
     assert isinstance(tiers[0], HostTier) and tiers[0].capacity == 1 << 30
     assert isinstance(tiers[1], DiskTier) and (tmp_path / "kv" / "blocks").is_dir()
     assert isinstance(tiers[2], RedisTier) and tiers[2].url.endswith("6379/0")

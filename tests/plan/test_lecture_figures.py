@@ -9,8 +9,8 @@ llama-3-8b preset (8.03e9) must round to the same printed figure.
 
 import pytest
 
+from lessmem.base.units import GiB, KiB, MiB
 from lessmem.plan import get_hardware, get_model, get_weight_format, plan, weight_footprint
-from lessmem.plan.units import GiB, KiB, MiB
 
 LLAMA = dict(context=16384, batch=16, kv="fp16,fp8,int4", kv_budget="4GiB")
 

@@ -1,4 +1,4 @@
-"""llama.cpp's GGUF type rules (plan.gguf_rules): golden cases, and the planner agreeing with
+"""llama.cpp's GGUF type rules (base.gguf_rules): golden cases, and the planner agreeing with
 the exporter's per-tensor types and bytes on a 30-layer and an 80-layer model."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from collections import Counter
 
 import pytest
 
-from lessmem.formats.gguf import GGUF_TYPES as ENCODER_TYPES
-from lessmem.plan.gguf_rules import (
+from lessmem.base.gguf_rules import (
     FILE_TYPES,
     check_file_type,
     tensor_type,
     type_bytes,
     use_more_bits,
 )
+from lessmem.formats.gguf import GGUF_TYPES as ENCODER_TYPES
 from lessmem.plan.models import get_model
 from lessmem.plan.weights import get_weight_format, mix_type, weight_footprint
 from lessmem.weights import gguf_mix

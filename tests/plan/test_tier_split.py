@@ -6,12 +6,12 @@ from types import SimpleNamespace
 import pytest
 
 from lessmem import cli
+from lessmem.base.tierspec import parse_offload_spec
+from lessmem.base.units import parse_bytes
 from lessmem.plan import plan
 from lessmem.plan.kv import get_kv
 from lessmem.plan.models import get_model
 from lessmem.plan.tiers import quantized_bytes, tier_split
-from lessmem.plan.tierspec import parse_offload_spec
-from lessmem.plan.units import parse_bytes
 
 # preset, block_size, window, block_tokens, budget, prefetch, tokens, prefill chunk, decode tokens
 # (a negative count: that many tokens in chunks of 8, as lessmem eval feeds its windows)
@@ -30,13 +30,13 @@ def _real(cfg, n, budget, offload, bt, prefetch, pchunk, decode, dchunk):
 
     from lessmem.kvcache.tiered import TieredKVCache, cache_kwargs
     from lessmem.models import tiny_random
-    from lessmem.offload import DiskTier
+    from lessmem.offload import DiskTier, build_tier
 
     torch.manual_seed(0)
     model = tiny_random("llama", hidden_size=128, num_heads=2, num_kv_heads=1)
     ids = torch.randint(1, 200, (1, n))
     host, disk = parse_offload_spec(offload)  # the planner's string, built here without fsync (speed)
-    tiers = [host.build(), DiskTier(disk.target, disk.capacity, fsync=False)]
+    tiers = [build_tier(host), DiskTier(disk.target, disk.capacity, fsync=False)]
     cache = TieredKVCache(model.config, cfg, tiers=tiers, device_budget=budget, block_tokens=bt,
                           prefetch=prefetch)
     prompt = n - decode

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lessmem.plan.units import fmt_bytes, fmt_rate, fmt_time, parse_bytes, parse_count, parse_rate
+from lessmem.base.units import fmt_bytes, fmt_rate, fmt_time, parse_bytes, parse_count, parse_rate
 
 
 @pytest.mark.parametrize("text,value", [

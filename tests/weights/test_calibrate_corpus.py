@@ -1,6 +1,6 @@
 """The built-in calibration text is the evaluator's built-in corpus (one definition)."""
 
-from lessmem.eval.text import load_text, pydoc_corpus
+from lessmem.base.corpus import load_text, pydoc_corpus
 from lessmem.weights.calibrate import builtin_corpus, calibration_ids, describe
 
 

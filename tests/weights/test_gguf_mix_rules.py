@@ -1,4 +1,4 @@
-"""weights.gguf_mix wraps the one rule in plan.gguf_rules; GGUFConfig's types and bytes
+"""weights.gguf_mix wraps the one rule in base.gguf_rules; GGUFConfig's types and bytes
 agree with the planner's footprint, including llama.cpp's 70B attn_v rule."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import lessmem
+from lessmem.base import gguf_rules
 from lessmem.models import tiny_random
-from lessmem.plan import gguf_rules
 from lessmem.plan.models import ModelDims
 from lessmem.plan.weights import get_weight_format, mix_type, tensor_bytes
 from lessmem.weights import gguf_mix

@@ -65,7 +65,7 @@ def test_layer_output_error_below_rtn(bits):
 @pytest.fixture(scope="module")
 def smol_down_proj():
     gguf = pytest.importorskip("gguf")
-    from lessmem._paths import cache_dir
+    from lessmem.base.paths import cache_dir
 
     path = cache_dir("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():

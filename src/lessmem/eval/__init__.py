@@ -10,13 +10,13 @@ Example:
 
 from __future__ import annotations
 
-from lessmem._lazy import lazy_exports
+from lessmem.base.lazy import lazy_exports
 
 _LAZY = {
     "evaluate": "lessmem.eval.perplexity",
     "make_windows": "lessmem.eval.perplexity",
     "check_protocol": "lessmem.eval.perplexity",
-    "load_text": "lessmem.eval.text",
+    "load_text": "lessmem.base.corpus",
     "CacheSpec": "lessmem.eval.caches",
     "resolve_configs": "lessmem.eval.caches",
     "measure_memory": "lessmem.eval.caches",

@@ -162,7 +162,7 @@ def run(args) -> int:
 
     from lessmem.eval.caches import resolve_configs
     from lessmem.eval.perplexity import check_protocol, evaluate
-    from lessmem.eval.text import load_text
+    from lessmem.base.corpus import load_text
 
     check_protocol(args.windows, args.window_len, args.chunk)
     names = expand_kv(args.kv)

@@ -62,7 +62,7 @@ def explore(args) -> dict:
     """Everything the command shows, as one dict (what --json prints)."""
     import torch
 
-    from ..plan.units import parse_rate
+    from ..base.units import parse_rate
     from . import explore as ex
 
     torch.set_num_threads(int(_num(args.threads, "threads")))

@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from lessmem.plan.units import fmt_bytes
+from lessmem.base.units import fmt_bytes
 
 HELP = "generate text with a quantized KV cache"
 

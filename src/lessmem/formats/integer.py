@@ -31,7 +31,7 @@ import torch
 from ._checks import check_bits, check_clip_ratio, check_float_tensor, check_scale_dtype
 from .granularity import Granularity, PerTensor, SuperBlock
 from .packing import pack_bits, unpack_bits
-from .qtensor import DEQUANTIZERS, QFormat, QTensor
+from .qtensor import CODE_READERS, DEQUANTIZERS, QFormat, QTensor
 
 _TINY = {torch.float16: 6.2e-5, torch.bfloat16: 1e-30, torch.float32: 1e-30}
 
@@ -189,3 +189,4 @@ def _dequantize_int(qt: QTensor) -> torch.Tensor:
 
 
 DEQUANTIZERS["int"] = _dequantize_int
+CODE_READERS["int"] = int_codes

@@ -51,6 +51,9 @@ class QFormat:
 
 # kind -> dequantize function, filled in by each format module on import
 DEQUANTIZERS: dict[str, Callable[[QTensor], torch.Tensor]] = {}
+# kind -> integer-code reader (original layout), filled in the same way; this module never
+# imports the format modules, so the formats package has no import circle
+CODE_READERS: dict[str, Callable[[QTensor], torch.Tensor]] = {}
 
 
 @dataclass
@@ -95,9 +98,10 @@ class QTensor:
 
     def int_codes(self) -> torch.Tensor:
         """Integer codes in the original layout (signed for symmetric int formats)."""
-        from .integer import int_codes
-
-        return int_codes(self)
+        fn = CODE_READERS.get(self.fmt.kind)
+        if fn is None:
+            raise ValueError(f"int_codes() needs an integer QTensor, this one is {self.fmt.name}")
+        return fn(self)
 
     def __repr__(self) -> str:
         return (

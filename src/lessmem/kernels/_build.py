@@ -54,7 +54,7 @@ def _load(name: str, source: str, functions: list[str], extra_cflags: list[str] 
         try:
             from torch.utils.cpp_extension import load_inline
 
-            from .._paths import cache_dir
+            from ..base.paths import cache_dir
 
             flags = ["-O3", "-march=native", "-fopenmp", *(extra_cflags or [])]
             mod = load_inline(

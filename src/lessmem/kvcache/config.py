@@ -215,7 +215,7 @@ class KVConfig:
         return kb, vb
 
     def to_plan(self, name: str = "lessmem", full_bytes: float = 2.0):
-        """The planner's torch-free description (``lessmem.plan.kv.KVPrecision``).
+        """The planner's torch-free description (``lessmem.base.kvprecision.KVPrecision``).
 
         ``full_bytes``: bytes per full-precision element (2 for fp16 windows; the model's
         element size for ``window_dtype="model"``). Per-layer overrides are not
@@ -227,7 +227,7 @@ class KVConfig:
             >>> p.k_group_tokens, p.v_group_tokens, p.window, p.block
             (32, 1, 128, 32)
         """
-        from ..plan.kv import KVPrecision
+        from ..base.kvprecision import KVPrecision
 
         if self.layer_overrides:
             raise ValueError("to_plan: layer_overrides cannot be described to the planner; "

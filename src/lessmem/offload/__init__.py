@@ -26,7 +26,7 @@ from .hashing import layer_key, namespace, prefix_hashes, sequence_hash
 from .memory import DeviceTier, HostTier, MemoryTier, move_block
 from .remote import RedisTier
 from .serialize import CorruptBlockError, block_nbytes, pack_block, unpack_block
-from .spec import TierSpec, build_tiers, check_block_tokens, parse_bytes, parse_offload_spec
+from .spec import TierSpec, build_tier, build_tiers, check_block_tokens, parse_bytes, parse_offload_spec
 from .stack import WRITE_POLICIES, PrefetchHandle, TierStack
 from .tier import Tier, TierFullError, TierStats, TierUnavailableError
 
@@ -34,5 +34,5 @@ __all__ = [
     "Tier", "TierStats", "TierFullError", "TierUnavailableError", "MemoryTier", "DeviceTier", "HostTier", "DiskTier",
     "RedisTier", "TierStack", "PrefetchHandle", "WRITE_POLICIES", "pack_block", "unpack_block",
     "block_nbytes", "CorruptBlockError", "prefix_hashes", "sequence_hash", "layer_key", "namespace",
-    "parse_bytes", "parse_offload_spec", "build_tiers", "check_block_tokens", "TierSpec", "move_block",
+    "parse_bytes", "parse_offload_spec", "build_tier", "build_tiers", "check_block_tokens", "TierSpec", "move_block",
 ]

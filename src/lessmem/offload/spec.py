@@ -1,9 +1,9 @@
 """Tier lists as users type them (``--offload``) turned into tier objects.
 
 The grammar (:func:`parse_offload_spec`, :class:`TierSpec`) and the one size rule
-(:func:`parse_bytes`) live torch-free in :mod:`lessmem.plan.tierspec` and
-:mod:`lessmem.plan.units`, so the planner reads and writes the same strings; they are
-re-exported here, and :func:`build_tiers` makes the tiers.
+(:func:`parse_bytes`) live torch-free in :mod:`lessmem.base.tierspec` and
+:mod:`lessmem.base.units`, so the planner reads and writes the same strings; they are
+re-exported here, and :func:`build_tier` / :func:`build_tiers` make the tiers.
 
 Example:
     >>> from lessmem.offload import parse_bytes, parse_offload_spec
@@ -15,8 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from lessmem.plan.tierspec import KINDS, TierSpec, format_offload_spec, parse_offload_spec  # noqa: F401
-from lessmem.plan.units import parse_bytes  # noqa: F401
+from lessmem.base.tierspec import KINDS, TierSpec, format_offload_spec, parse_offload_spec  # noqa: F401
+from lessmem.base.units import parse_bytes  # noqa: F401
 
 
 def check_block_tokens(block_tokens, block_size: int, owner: str = "the config") -> None:
@@ -26,6 +26,29 @@ def check_block_tokens(block_tokens, block_size: int, owner: str = "the config")
             or block_tokens % block_size:
         raise ValueError(f"block_tokens={block_tokens!r}; allowed: a positive multiple of "
                          f"{owner}'s block_size {block_size}")
+
+
+def build_tier(spec: TierSpec, capacity: int | None = None):
+    """The tier object one :class:`TierSpec` names (``capacity`` overrides the spec's own).
+
+    Example:
+        >>> from lessmem.offload import build_tier, parse_offload_spec
+        >>> t = build_tier(parse_offload_spec("host@1MiB")[0])
+        >>> type(t).__name__, t.capacity
+        ('HostTier', 1048576)
+    """
+    from .disk import DiskTier
+    from .memory import DeviceTier, HostTier
+    from .remote import RedisTier
+
+    cap = spec.capacity if capacity is None else capacity
+    if spec.kind == "device":
+        return DeviceTier(cap)
+    if spec.kind == "host":
+        return HostTier(cap)
+    if spec.kind == "disk":
+        return DiskTier(spec.target, cap)
+    return RedisTier(spec.target, cap)
 
 
 def build_tiers(tiers) -> list:
@@ -45,7 +68,7 @@ def build_tiers(tiers) -> list:
     out = []
     for t in tiers:
         if isinstance(t, TierSpec):
-            t = t.build()
+            t = build_tier(t)
         if not isinstance(t, Tier):
             raise ValueError(f"tier {t!r}; allowed: Tier objects, TierSpecs or a spec string")
         out.append(t)

@@ -13,6 +13,7 @@ Example:
     'fp8'
 """
 
+from ..base.tierspec import TierSpec, format_offload_spec, parse_offload_spec
 from .hardware import HARDWARE_PRESETS, Hardware, get_hardware, pcie_bandwidth
 from .kv import LESSMEM as KV_PRESETS
 from .kv import RAW as KV_RAW
@@ -21,7 +22,6 @@ from .models import MODEL_PRESETS, ModelDims, from_hf_config, get_model
 from .planner import plan
 from .speed import decode_floor, transfer_times
 from .tiers import tier_split
-from .tierspec import TierSpec, format_offload_spec, parse_offload_spec
 from .weights import WeightFormat, get_weight_format, weight_footprint
 
 __all__ = [

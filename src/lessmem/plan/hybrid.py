@@ -112,7 +112,7 @@ def choose(rows: list[dict]) -> dict | None:
 def suggestions(model, hw, rows: list[dict], context: int, batch: int, budget: int,
                 target_tps: float) -> list[str]:
     """What would make it fit or keep up, in words (with the numbers)."""
-    from .units import fmt_bytes, fmt_rate
+    from ..base.units import fmt_bytes, fmt_rate
 
     out = []
     if budget > hw.hbm_capacity:

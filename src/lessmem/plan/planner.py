@@ -14,12 +14,12 @@ Example:
 
 from __future__ import annotations
 
+from ..base.units import parse_bytes, parse_count, parse_rate
 from .hardware import DEFAULT_HARDWARE, get_hardware
 from .hybrid import choose, hybrid_row, suggestions
 from .kv import bytes_per_token, get_kv, kv_bytes
 from .models import get_model
 from .speed import decode_floor, transfer_times
-from .units import parse_bytes, parse_count, parse_rate
 
 DEFAULT_KV = ("fp16", "fp8", "int8", "int4")
 

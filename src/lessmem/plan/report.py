@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .units import fmt_bytes, fmt_rate, fmt_time
+from ..base.units import fmt_bytes, fmt_rate, fmt_time
 
 
 def _pct(x: float) -> str:

@@ -45,9 +45,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..base.tierspec import TierSpec, format_offload_spec, parse_offload_spec, size_text
+from ..base.units import parse_bytes
 from .kv import KVPrecision, layer_quant_bytes
-from .tierspec import TierSpec, format_offload_spec, parse_offload_spec, size_text
-from .units import parse_bytes
 
 
 def quantized_bytes(model, p: KVPrecision, n_tokens: int, batch: int = 1) -> int:

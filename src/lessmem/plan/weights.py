@@ -9,7 +9,7 @@ weights is 4 + 16/32 = 4.5 bits. Two overhead figures, since the literature uses
 - ``scale_tax``: metadata / code bits — 2/4 = 50% at group 8 (the lecture's "50% tax").
 
 GGUF types are counted from their block layout (bytes per block / weights per block).
-Files are sized with llama.cpp's per-tensor rules (``plan.gguf_rules``, the same function
+Files are sized with llama.cpp's per-tensor rules (``base.gguf_rules``, the same function
 the GGUF exporter uses): mixes such as Q4_K_M give more bits to attn_v and ffn_down of
 some layers; every file type, Q4_0 and Q8_0 included, stores the output matrix in Q6_K
 (Q8_0 stays Q8_0); rows that are not a multiple of a block fall back; 1-D tensors are
@@ -31,8 +31,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from .gguf_rules import FALLBACK, FILE_TYPES, GGUF_TYPES, row_fallback, type_bytes  # noqa: F401  (re-export)
-from .gguf_rules import tensor_type as _file_tensor_type
+from ..base.gguf_rules import FALLBACK, FILE_TYPES, GGUF_TYPES, row_fallback, type_bytes  # noqa: F401  (re-export)
+from ..base.gguf_rules import tensor_type as _file_tensor_type
 
 # llama.cpp file types that are mixes (the rest share their name with a GGUF type)
 MIXES = tuple(f.lower() for f in FILE_TYPES if f.lower() not in GGUF_TYPES)

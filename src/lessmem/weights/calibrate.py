@@ -1,7 +1,7 @@
 """Calibration data and the block-by-block pass shared by GPTQ, AWQ and SmoothQuant.
 
 ``calibration_ids`` turns text (a file path, a string, a list of strings; default: the
-built-in corpus, Python's ``pydoc_data.topics`` joined by ``lessmem.eval.text.
+built-in corpus, Python's ``pydoc_data.topics`` joined by ``lessmem.base.corpus.
 pydoc_corpus``, the evaluator's own built-in text) into ``n_samples`` windows
 of ``seq_len`` tokens, non-overlapping, in order. ``BlockInputs`` captures what the
 first decoder block receives for each window (hidden states and the keyword arguments:
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..eval.text import pydoc_corpus
+from ..base.corpus import pydoc_corpus
 from .observer import StopForward
 
 # the built-in calibration text is the evaluator's built-in corpus (one definition)

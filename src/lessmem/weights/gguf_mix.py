@@ -1,6 +1,6 @@
 """Which GGUF block type each tensor gets, for GGUFConfig and the GGUF exporter.
 
-The rules themselves live in one torch-free place, ``lessmem.plan.gguf_rules`` (the
+The rules themselves live in one torch-free place, ``lessmem.base.gguf_rules`` (the
 planner sizes files with the same function); this module keeps the exporter's API:
 ``tensor_type`` (that rule, restricted to the types ``lessmem.formats.gguf`` can
 encode), ``check_mix``, ``MIXES``/``FILE_TYPE_IDS`` and the HF→GGUF tensor names.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 
 from ..formats.gguf import GGUF_TYPES
-from ..plan import gguf_rules
-from ..plan.gguf_rules import use_more_bits  # noqa: F401  (re-export)
+from ..base import gguf_rules
+from ..base.gguf_rules import use_more_bits  # noqa: F401  (re-export)
 
 # file type -> base block type; llama_ftype ids written to general.file_type
 MIXES = {f: base for f, (base, _) in gguf_rules.FILE_TYPES.items()}

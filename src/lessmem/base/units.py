@@ -13,7 +13,7 @@ One rule for every size lessmem reads (``--kv-budget``, ``--offload host@1GiB``,
 Rates (``parse_rate``) use the same rule with a trailing ``/s`` (``25GB/s`` = 25·10^9 B/s).
 
 Example:
-    >>> from lessmem.plan.units import parse_bytes, parse_rate, fmt_bytes
+    >>> from lessmem.base.units import parse_bytes, parse_rate, fmt_bytes
     >>> parse_bytes("4GiB"), parse_bytes("4G"), parse_bytes("4GB"), parse_rate("25GB/s")
     (4294967296, 4294967296, 4000000000, 25000000000.0)
     >>> fmt_bytes(4 * 2**30)

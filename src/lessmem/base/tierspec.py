@@ -8,10 +8,11 @@
 - ``disk:PATH[@SIZE]``              a directory (created if missing)
 - ``redis://HOST:PORT/DB[@SIZE]``   a shared Redis store (``rediss://`` and ``unix://`` too)
 
-``@SIZE`` is a capacity in bytes (:func:`lessmem.plan.units.parse_bytes`: KB 1000-based,
+``@SIZE`` is a capacity in bytes (:func:`lessmem.base.units.parse_bytes`: KB 1000-based,
 KiB and a bare K 1024-based); without it the tier is unbounded. The planner reads the
 same strings (``lessmem plan --offload``) and writes them back (:func:`format_offload_spec`)
-for ``lessmem generate``/``eval``; ``lessmem.offload`` builds the tiers they name.
+for ``lessmem generate``/``eval``; ``lessmem.offload.spec.build_tier`` builds the tier
+one names (this module stays torch-free and imports nothing above ``base``).
 
 Example:
     >>> specs = parse_offload_spec("host@1GiB,disk:/tmp/kv")
@@ -43,22 +44,6 @@ class TierSpec:
             raise ValueError(f"a {self.kind} tier needs a {'path' if self.kind == 'disk' else 'URL'}")
         if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 0):
             raise ValueError(f"capacity={self.capacity!r} must be a non-negative int or None")
-
-    def build(self, capacity: int | None = None):
-        """The tier object (``capacity`` overrides the spec's own); imports ``lessmem.offload``
-        (and torch) only when called."""
-        from lessmem.offload.disk import DiskTier
-        from lessmem.offload.memory import DeviceTier, HostTier
-        from lessmem.offload.remote import RedisTier
-
-        cap = self.capacity if capacity is None else capacity
-        if self.kind == "device":
-            return DeviceTier(cap)
-        if self.kind == "host":
-            return HostTier(cap)
-        if self.kind == "disk":
-            return DiskTier(self.target, cap)
-        return RedisTier(self.target, cap)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "target": self.target, "capacity": self.capacity}

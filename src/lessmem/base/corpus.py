@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lessmem._paths import repo_data_file
+from lessmem.base.paths import repo_data_file
 
 BUILTIN_TEXTS = ("pydoc", "wikitext2")
 DEFAULT_TEXT = "pydoc"

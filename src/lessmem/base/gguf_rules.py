@@ -25,7 +25,7 @@ choices), no ``--pure``/``--output-tensor-type`` overrides:
 in between (``(i - n//8) % 3 == 2``): 14 of 30 layers, 40 of 80.
 
 Example:
-    >>> from lessmem.plan.gguf_rules import tensor_type
+    >>> from lessmem.base.gguf_rules import tensor_type
     >>> [tensor_type("Q4_K_M", f"blk.{i}.ffn_down.weight", 1536, 30) for i in (0, 4, 5, 6, 29)]
     ['q6_k', 'q4_k', 'q6_k', 'q4_k', 'q6_k']
     >>> tensor_type("Q4_K_M", "blk.10.attn_v.weight", 8192, 80, n_gqa=8)   # 70B: Q4_K -> Q5_K
