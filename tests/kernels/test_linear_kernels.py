@@ -213,3 +213,28 @@ def test_int4pack_matches_reference():
 def test_int4_unpack_inverts_pack(n, k):
     u = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     assert torch.equal(i4.unpack_int4(i4.pack_int4(u), n, k), u)
+
+
+def test_cpp_sources_ship_with_the_package():
+    """The kernels' C++ is read from lessmem/kernels/csrc (package data), every exported
+    function is defined there, and the build key follows the text of the file."""
+    from lessmem.kernels import _build, gguf_linear_cpp
+
+    for module in (linear_cpp, gguf_linear_cpp):
+        src = _build.cpp_source(module._SOURCE_FILE)
+        for fn in module._FUNCS:
+            assert f" {fn}(" in src, (module.__name__, fn)
+    src = _build.cpp_source("linear.cpp")
+    key = _build.build_key(src)
+    assert key == _build.build_key(src) and len(key) == 12
+    assert _build.build_key(src + "\n// edited\n") != key
+    assert _build.build_key(src, ["-DLESSMEM_NO_SIMD"]) != key
+
+
+def test_missing_cpp_source_falls_back_with_a_warning():
+    from lessmem.kernels import _build
+
+    with pytest.raises(FileNotFoundError, match="'nope.cpp' not found in lessmem.kernels/csrc"):
+        _build.cpp_source("nope.cpp")
+    with pytest.warns(RuntimeWarning, match="could not build the C\\+\\+ kernel 'lessmem_nope'"):
+        assert _build.load_cpp_file("lessmem_nope", "nope.cpp", ["f"]) is None

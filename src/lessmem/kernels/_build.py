@@ -1,9 +1,16 @@
 """Build-and-cache for the small C++ CPU kernels (torch.utils.cpp_extension).
 
-``load_cpp(name, source)`` compiles ``source`` once per (source, torch version) into
+The C++ lives in ``.cpp`` files shipped with the package (``kernels/csrc/*.cpp``, listed as
+package data in ``pyproject.toml``). ``load_cpp_file(name, filename, functions)`` reads one
+and hands it to ``load_cpp``; another package can keep its own ``csrc/`` folder and pass
+``package=`` (e.g. ``load_cpp_file(..., package="lessmem.offload")`` reads
+``lessmem/offload/csrc/<filename>``).
+
+``load_cpp(name, source)`` compiles ``source`` once per (source, torch version, flags) into
 ``$LESSMEM_CACHE/kernels/<name>-<hash>`` and returns the module, or ``None`` (with a
 warning, once) when no compiler or ninja is available, so callers fall back to torch.
-Set ``LESSMEM_NO_CPP=1`` to force the fallback.
+The hash is taken over the source text itself (``build_key``), so editing a ``.cpp`` file
+rebuilds it. Set ``LESSMEM_NO_CPP=1`` to force the fallback.
 
 Example:
     >>> from lessmem.kernels._build import load_cpp
@@ -15,10 +22,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
 import warnings
+from importlib import resources
 
 _LOCK = threading.Lock()
 _MODULES: dict[str, object] = {}
@@ -28,8 +37,48 @@ _LOADED: dict[tuple, object] = {}
 _MISSING = object()
 
 
+@functools.lru_cache(maxsize=None)
+def cpp_source(filename: str, package: str = "lessmem.kernels") -> str:
+    """The text of ``<package>/csrc/<filename>`` (read once per process).
+
+    Raises ``FileNotFoundError`` naming the file when the package was installed without
+    its C++ sources (see ``[tool.setuptools.package-data]`` in ``pyproject.toml``)."""
+    path = resources.files(package).joinpath("csrc", filename)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise FileNotFoundError(f"C++ source {filename!r} not found in {package}/csrc "
+                                "(installed without its package data?)") from exc
+
+
+def build_key(source: str, extra_cflags: list[str] | None = None,
+              extra_ldflags: list[str] | None = None) -> str:
+    """12 hex digits naming one build: changes with the source, torch version and flags."""
+    import torch
+
+    text = source + torch.__version__ + str(extra_cflags) + str(extra_ldflags or "")
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def load_cpp_file(name: str, filename: str, functions: list[str],
+                  extra_cflags: list[str] | None = None, extra_ldflags: list[str] | None = None,
+                  package: str = "lessmem.kernels"):
+    """``load_cpp`` on the source file ``<package>/csrc/<filename>``; ``None`` (with one
+    warning) when the file is missing, as when no compiler is available."""
+    try:
+        source = cpp_source(filename, package)
+    except FileNotFoundError as exc:
+        if os.environ.get("LESSMEM_NO_CPP") != "1" and (package, filename) not in _NO_FILE:
+            _NO_FILE.add((package, filename))
+            _warn(name, exc)
+        return None
+    return load_cpp(name, source, functions, extra_cflags, extra_ldflags)
+
+
 def load_cpp(name: str, source: str, functions: list[str], extra_cflags: list[str] | None = None,
              extra_ldflags: list[str] | None = None):
+    """The compiled module of ``source`` exporting ``functions``, or ``None`` when it cannot
+    be built (or ``LESSMEM_NO_CPP=1``); built at most once per process and cached on disk."""
     if os.environ.get("LESSMEM_NO_CPP") == "1":
         return None
     fast_key = (name, source, tuple(extra_cflags or ()), tuple(extra_ldflags or ()))
@@ -41,13 +90,18 @@ def load_cpp(name: str, source: str, functions: list[str], extra_cflags: list[st
     return mod
 
 
+_NO_FILE: set[tuple[str, str]] = set()  # (package, filename) already warned about
+
+
+def _warn(name: str, exc: BaseException) -> None:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    warnings.warn(f"lessmem: could not build the C++ kernel {name!r} ({type(exc).__name__}: "
+                  f"{text}); using the slower torch path", RuntimeWarning, stacklevel=4)
+
+
 def _load(name: str, source: str, functions: list[str], extra_cflags: list[str] | None,
           extra_ldflags: list[str] | None = None):
-    import torch
-
-    key = hashlib.sha256((source + torch.__version__ + str(extra_cflags) + str(extra_ldflags or "")
-                          ).encode()).hexdigest()[:12]
-    full = f"{name}_{key}"
+    full = f"{name}_{build_key(source, extra_cflags, extra_ldflags)}"
     with _LOCK:
         if full in _MODULES:
             return _MODULES[full]
@@ -67,12 +121,7 @@ def _load(name: str, source: str, functions: list[str], extra_cflags: list[str] 
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, or a build error: fall back
-            warnings.warn(
-                f"lessmem: could not build the C++ kernel {name!r} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); using the slower torch path",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn(name, exc)  # once per build: _MODULES remembers the failure
             mod = None
         _MODULES[full] = mod
         return mod

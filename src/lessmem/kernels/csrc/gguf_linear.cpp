@@ -1,0 +1,443 @@
+// Fused GGUF dequant-matmul (gguf_linear) and block dequantizer (gguf_dequantize) for the
+// ten GGUF block types. Compiled at first use (with -ffp-contract=off) by
+// lessmem/kernels/_build.py; the Python wrappers and the design in words are in
+// lessmem/kernels/gguf_linear_cpp.py; the reference twin is gguf_linear_reference.py.
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+#include <ATen/Parallel.h>
+#if defined(__F16C__) || defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define PAR_MIN_WORK 1048576
+
+static inline float h2f(const uint8_t* p) {
+  uint16_t b; std::memcpy(&b, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(b);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(b);
+#endif
+}
+
+// ---------------------------------------------------------------- 16-float vectors
+// V16 is one AVX-512 register, two AVX2 registers, or 16 floats (any other CPU).
+#if defined(__AVX512F__)
+struct V16 { __m512 v; };
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vset(float a) { return {_mm512_set1_ps(a)}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+static inline V16 vcodes(const uint8_t* q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q)))}; }
+static inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline float vsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 { __m256 lo, hi; };
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vset(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline V16 vcodes(const uint8_t* q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))))};
+}
+static inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline float vsum(V16 a) { float t[16]; vstore(t, a); float s = 0.f; for (int i = 0; i < 16; ++i) s += t[i]; return s; }
+#else
+struct V16 { float f[16]; };
+static inline V16 vzero() { V16 r; for (int i = 0; i < 16; ++i) r.f[i] = 0.f; return r; }
+static inline V16 vset(float a) { V16 r; for (int i = 0; i < 16; ++i) r.f[i] = a; return r; }
+static inline V16 vload(const float* p) { V16 r; std::memcpy(r.f, p, 64); return r; }
+static inline void vstore(float* p, V16 a) { std::memcpy(p, a.f, 64); }
+static inline V16 vcodes(const uint8_t* q) { V16 r; for (int i = 0; i < 16; ++i) r.f[i] = (float)q[i]; return r; }
+static inline V16 vadd(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.f[i] += b.f[i]; return a; }
+static inline V16 vsub(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.f[i] -= b.f[i]; return a; }
+static inline V16 vmul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.f[i] *= b.f[i]; return a; }
+static inline V16 vfma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.f[i] = __builtin_fmaf(a.f[i], b.f[i], c.f[i]); return c; }
+static inline float vsum(V16 a) { float s = 0.f; for (int i = 0; i < 16; ++i) s += a.f[i]; return s; }
+#endif
+
+// ---------------------------------------------------------------- block decoders
+// decode<T>(block, q, a, b): byte ops only. q[QK] gets every element's unsigned code and
+// each group g of 16 elements its float32 factors, so that the weight is
+//   sym  (ASYM = 0):  w = a[g] * ((float)q - OFF)       (Q4_0 Q5_0 Q8_0 Q3_K Q6_K)
+//   asym (ASYM = 1):  w = a[g] * (float)q + b[g]        (Q4_1 Q5_1 Q2_K Q4_K Q5_K)
+// -- the float32 operations of formats/gguf*.py's dequantizers, in their order ((float)q -
+// OFF is exact, and x - y == x + (-y) in IEEE, so K-quants' (d*sc)*q - (dmin*m) is b = -(dmin*m)).
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+template <int T> struct Traits;  // QK elements per block, TS bytes per block
+template <> struct Traits<Q4_0> { static constexpr int QK = 32, TS = 18, ASYM = 0, OFF = 8; };
+template <> struct Traits<Q4_1> { static constexpr int QK = 32, TS = 20, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q5_0> { static constexpr int QK = 32, TS = 22, ASYM = 0, OFF = 16; };
+template <> struct Traits<Q5_1> { static constexpr int QK = 32, TS = 24, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q8_0> { static constexpr int QK = 32, TS = 34, ASYM = 0, OFF = 128; };
+template <> struct Traits<Q2_K> { static constexpr int QK = 256, TS = 84, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q3_K> { static constexpr int QK = 256, TS = 110, ASYM = 0, OFF = 4; };
+template <> struct Traits<Q4_K> { static constexpr int QK = 256, TS = 144, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q5_K> { static constexpr int QK = 256, TS = 176, ASYM = 1, OFF = 0; };
+template <> struct Traits<Q6_K> { static constexpr int QK = 256, TS = 210, ASYM = 0, OFF = 32; };
+
+static inline void nibbles32(const uint8_t* qs, uint8_t* q) {  // low nibbles 0..15, high 16..31
+  #pragma omp simd
+  for (int j = 0; j < 16; ++j) { q[j] = qs[j] & 15; q[j + 16] = qs[j] >> 4; }
+}
+// Q5_0/Q5_1 high bits: bit i of a byte -> 16 in byte i of a u64 (OR-ed into the codes;
+// a per-lane variable shift does not vectorize, this is ~5x faster).
+struct BitTable {
+  uint64_t t[256];
+  BitTable() {
+    for (int v = 0; v < 256; ++v) {
+      uint64_t r = 0;
+      for (int i = 0; i < 8; ++i) if ((v >> i) & 1) r |= (uint64_t)16 << (8 * i);
+      t[v] = r;
+    }
+  }
+};
+static const BitTable BITS5;
+
+// nibbles and bit 4 together; with SSE2 in two 16-byte registers, so the 16-byte loads
+// of the codes that follow are forwarded from the stores (8-byte stores would stall them)
+static inline void nibbles_high5(const uint8_t* qs, const uint8_t* qh, uint8_t* q) {
+#if defined(__SSE2__)
+  const __m128i m4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i*)qs);
+  const __m128i lo = _mm_or_si128(_mm_and_si128(v, m4), _mm_set_epi64x((long long)BITS5.t[qh[1]], (long long)BITS5.t[qh[0]]));
+  const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
+                                  _mm_set_epi64x((long long)BITS5.t[qh[3]], (long long)BITS5.t[qh[2]]));
+  _mm_storeu_si128((__m128i*)q, lo);
+  _mm_storeu_si128((__m128i*)(q + 16), hi);
+#else
+  nibbles32(qs, q);
+  for (int i = 0; i < 4; ++i) {  // q[8i + bit] |= 16 * bit(qh[i])
+    uint64_t v; std::memcpy(&v, q + 8 * i, 8);
+    v |= BITS5.t[qh[i]];
+    std::memcpy(q + 8 * i, &v, 8);
+  }
+#endif
+}
+
+template <int T> static inline void decode(const uint8_t* b, uint8_t* q, float* a, float* c);
+
+// Q4_0: d, qs[16]; element j in the low nibble of qs[j], j+16 in the high. w = d*(q-8)
+template <> inline void decode<Q4_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  nibbles32(b + 2, q); a[0] = a[1] = h2f(b);
+}
+// Q4_1: d, m, qs[16]. w = d*q + m
+template <> inline void decode<Q4_1>(const uint8_t* b, uint8_t* q, float* a, float* c) {
+  nibbles32(b + 4, q); a[0] = a[1] = h2f(b); c[0] = c[1] = h2f(b + 2);
+}
+// Q5_0: d, qh (bit j of a little-endian u32 = bit 4 of element j), qs[16]. w = d*(q-16)
+template <> inline void decode<Q5_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  nibbles_high5(b + 6, b + 2, q); a[0] = a[1] = h2f(b);
+}
+// Q5_1: d, m, qh, qs[16]. w = d*q + m
+template <> inline void decode<Q5_1>(const uint8_t* b, uint8_t* q, float* a, float* c) {
+  nibbles_high5(b + 8, b + 4, q); a[0] = a[1] = h2f(b); c[0] = c[1] = h2f(b + 2);
+}
+// Q8_0: d, qs[32] int8. w = q*d; codes held as q ^ 0x80 = q + 128, OFF 128
+template <> inline void decode<Q8_0>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  #pragma omp simd
+  for (int j = 0; j < 32; ++j) q[j] = b[2 + j] ^ 0x80;
+  a[0] = a[1] = h2f(b);
+}
+// Q2_K: scales[16] (lo nibble scale, hi min), qs[64], d, dmin. Element 128h + 32k + l is
+// (qs[32h + l] >> 2k) & 3; group s = e/16. w = (d*sc)*q - (dmin*m)
+template <> inline void decode<Q2_K>(const uint8_t* b, uint8_t* q, float* a, float* c) {
+  const uint8_t* sc = b; const uint8_t* qs = b + 16;
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 4; ++k) {
+      #pragma omp simd
+      for (int l = 0; l < 32; ++l) q[128 * h + 32 * k + l] = (qs[32 * h + l] >> (2 * k)) & 3;
+    }
+  const float d = h2f(b + 80), dmin = h2f(b + 82);
+  for (int s = 0; s < 16; ++s) { a[s] = d * (float)(sc[s] & 15); c[s] = -(dmin * (float)(sc[s] >> 4)); }
+}
+// Q3_K: hmask[32], qs[64], scales[12] (16 six-bit, signed - 32), d. Low 2 bits as Q2_K;
+// bit 2 of element e is (hmask[e % 32] >> (e / 32)) & 1; w = (d*sc) * (code - 4).
+template <> inline void decode<Q3_K>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  const uint8_t* hm = b; const uint8_t* qs = b + 32; const uint8_t* s12 = b + 96;
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 4; ++k) {
+      const int g = 4 * h + k;
+      #pragma omp simd
+      for (int l = 0; l < 32; ++l)
+        q[32 * g + l] = ((qs[32 * h + l] >> (2 * k)) & 3) | (((hm[l] >> g) & 1) << 2);
+    }
+  const float d = h2f(b + 108);
+  for (int s = 0; s < 16; ++s) {
+    const int lo = s < 8 ? (s12[s] & 15) : (s12[s - 8] >> 4);
+    const int hi = (s12[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+    a[s] = d * (float)((lo | (hi << 4)) - 32);
+  }
+}
+// Q4_K / Q5_K: d, dmin, scales[12] (8 six-bit scales and mins), [qh[32]], qs[128].
+// Element 64c + 32h + l is (qs[32c + l] >> 4h) & 15 (| bit (2c+h) of qh[l] << 4 for Q5_K).
+static inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
+  else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+template <bool FIVE> static inline void decode_q45k(const uint8_t* b, uint8_t* q, float* a, float* c) {
+  const uint8_t* s = b + 4; const uint8_t* qh = b + 16; const uint8_t* qs = b + (FIVE ? 48 : 16);
+  for (int cc = 0; cc < 4; ++cc)
+    for (int h = 0; h < 2; ++h) {
+      const int sh = 4 * h, hb = 2 * cc + h;
+      #pragma omp simd
+      for (int l = 0; l < 32; ++l) {
+        uint8_t v = (qs[32 * cc + l] >> sh) & 15;
+        if (FIVE) v |= ((qh[l] >> hb) & 1) << 4;
+        q[64 * cc + 32 * h + l] = v;
+      }
+    }
+  const float d = h2f(b), dmin = h2f(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn; scale_min_k4(s, j, sc, mn);
+    a[2 * j] = a[2 * j + 1] = d * (float)sc;
+    c[2 * j] = c[2 * j + 1] = -(dmin * (float)mn);
+  }
+}
+template <> inline void decode<Q4_K>(const uint8_t* b, uint8_t* q, float* a, float* c) { decode_q45k<false>(b, q, a, c); }
+template <> inline void decode<Q5_K>(const uint8_t* b, uint8_t* q, float* a, float* c) { decode_q45k<true>(b, q, a, c); }
+// Q6_K: ql[128], qh[64], scales[16] int8, d. In half h, quarter k, lane l (e = 128h+32k+l):
+// low 4 bits (ql[64h + 32(k%2) + l] >> 4(k/2)) & 15, high 2 bits (qh[32h + l] >> 2k) & 3.
+template <> inline void decode<Q6_K>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  const uint8_t* ql = b; const uint8_t* qh = b + 128; const int8_t* sc = (const int8_t*)(b + 192);
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* lq = ql + 64 * h + 32 * (k & 1);
+      const uint8_t* hq = qh + 32 * h;
+      const int ls = 4 * (k >> 1), hs = 2 * k;
+      #pragma omp simd
+      for (int l = 0; l < 32; ++l) q[128 * h + 32 * k + l] = ((lq[l] >> ls) & 15) | (((hq[l] >> hs) & 3) << 4);
+    }
+  const float d = h2f(b + 208);
+  for (int s = 0; s < 16; ++s) a[s] = d * (float)sc[s];
+}
+
+// The 16 weights of group g, exactly as the reference decodes them.
+template <int T> static inline V16 weights16(const uint8_t* q, const float* a, const float* c, int g) {
+  const V16 v = vcodes(q + 16 * g);
+  if (Traits<T>::ASYM) return vadd(vmul(vset(a[g]), v), vset(c[g]));
+  return vmul(vset(a[g]), vsub(v, vset((float)Traits<T>::OFF)));
+}
+
+// ---------------------------------------------------------------- thread pool
+// parallel_chunks(n, chunk, f): f(begin, end) over [0, n) in chunks, run by the caller and
+// by helper threads that join when they are running. Unlike an OpenMP region there is no
+// closing barrier on every thread: the caller returns once every *claimed* chunk is done,
+// so a helper the OS has not scheduled (a machine with more runnable jobs than cores)
+// cannot hold a call up; the caller simply does its share. Helpers spin ~50 us after a job
+// (decode calls come back to back), then sleep. Threads: torch.get_num_threads().
+struct Job {
+  std::function<void(int64_t, int64_t)> fn;
+  int64_t n = 0, chunk = 1, total = 0;
+  int helpers = 0;  // how many helpers may join
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+class Pool {
+ public:
+  void run(int64_t n, int64_t chunk, int threads, std::function<void(int64_t, int64_t)> fn) {
+    auto job = std::make_shared<Job>();
+    job->fn = std::move(fn); job->n = n; job->chunk = chunk; job->total = (n + chunk - 1) / chunk;
+    job->helpers = threads - 1;
+    grow(threads - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = job;
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    work(*job);
+    while (job->done.load(std::memory_order_acquire) < job->total) _yield();
+    std::lock_guard<std::mutex> lk(mu_);
+    if (job_ == job) job_.reset();
+  }
+
+ private:
+  static void _yield() {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+    std::this_thread::yield();
+  }
+  static void work(Job& job) {
+    for (;;) {
+      const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= job.total) return;
+      job.fn(c * job.chunk, std::min(job.n, (c + 1) * job.chunk));
+      job.done.fetch_add(1, std::memory_order_release);
+    }
+  }
+  void grow(int want) {
+    std::lock_guard<std::mutex> lk(mu_);
+    while ((int)started_ < want) {
+      const int id = started_++;
+      std::thread([this, id] { helper(id); }).detach();
+    }
+  }
+  void helper(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      // spin a little for the next job, then sleep until one is posted
+      const auto t0 = std::chrono::steady_clock::now();
+      while (gen_.load(std::memory_order_acquire) == seen &&
+             std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(50)) {
+#if defined(__SSE2__)
+        _mm_pause();
+#endif
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        seen = gen_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      if (job && id < job->helpers) work(*job);  // a job already finished: nothing left to claim
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::shared_ptr<Job> job_;
+  int started_ = 0;
+};
+
+static Pool* POOL = new Pool();  // never destroyed: helpers are detached and live until exit
+
+// ~1M weights: below this one thread decodes faster than helpers wake up.
+template <class F> static inline void parallel_chunks(int64_t n, int64_t chunk, int64_t work, F f) {
+  const int threads = std::max(1, at::get_num_threads());
+  if (threads == 1 || work < PAR_MIN_WORK || n <= chunk) { f(0, n); return; }
+  POOL->run(n, chunk, threads, f);
+}
+
+// ---------------------------------------------------------------- kernels
+// y[m, n] = sum_k x[m, k] * w[n, k]; rows n split across threads. The input rows go in
+// chunks of NM = 8, 4, 2 or 1 (compile-time, so the accumulators stay in registers); per
+// chunk and weight row each block is decoded once to codes and factors (L1) and expanded
+// 16 weights at a time in registers, then used for the chunk's NM rows. One or two rows
+// get two accumulators each to hide the multiply-add latency.
+// xb: the chunk's slices of x for one block, [NM, QK] (see fused_impl).
+template <int T, int NM>
+static inline void row_dot(const uint8_t* row, const float* xp, int64_t nb, float* out) {
+  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16, NA = NM >= 4 ? 1 : 2;
+  alignas(64) uint8_t q[QK];
+  float a[NG], c[NG];
+  V16 acc[NM][NA];
+  for (int m = 0; m < NM; ++m)
+    for (int i = 0; i < NA; ++i) acc[m][i] = vzero();
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    decode<T>(row + ib * TS, q, a, c);
+    const float* xb = xp + ib * NM * QK;
+    for (int g = 0; g < NG; ++g) {
+      const V16 w = weights16<T>(q, a, c, g);
+      for (int m = 0; m < NM; ++m) acc[m][g % NA] = vfma(vload(xb + m * QK + 16 * g), w, acc[m][g % NA]);
+    }
+  }
+  for (int m = 0; m < NM; ++m) {
+    V16 t = acc[m][0];
+    for (int i = 1; i < NA; ++i) t = vadd(t, acc[m][i]);
+    out[m] = vsum(t);
+  }
+}
+
+template <int T>
+static void fused_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS;
+  const int64_t nb = K / QK, rb = nb * TS;
+  // chunks of input rows: 8 at a time, then 4, 2, 1 for the rest
+  std::vector<std::pair<int64_t, int>> chunks;
+  for (int64_t m0 = 0; m0 < M;) {
+    const int size = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
+    chunks.emplace_back(m0, size);
+    m0 += size;
+  }
+  // x re-laid per chunk as [block][row][QK]: the rows' slices of one block are contiguous
+  // (rows K floats apart share L1 sets when K is a multiple of 1024: 4x slower at 8 rows)
+  std::vector<float> xp(M > 1 ? M * K : 0);
+  if (M > 1)
+    for (const auto& ch : chunks)
+      for (int64_t ib = 0; ib < nb; ++ib)
+        for (int m = 0; m < ch.second; ++m)
+          std::memcpy(&xp[ch.first * K + (ib * ch.second + m) * QK], x + (ch.first + m) * K + ib * QK,
+                      QK * sizeof(float));
+  const float* xs = M > 1 ? xp.data() : x;
+  parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) {
+    float out[8];
+    for (int64_t n = n0; n < n1; ++n)
+      for (const auto& ch : chunks) {
+        const uint8_t* row = w + n * rb;
+        const float* xc = xs + ch.first * K;
+        switch (ch.second) {
+          case 8: row_dot<T, 8>(row, xc, nb, out); break;
+          case 4: row_dot<T, 4>(row, xc, nb, out); break;
+          case 2: row_dot<T, 2>(row, xc, nb, out); break;
+          default: row_dot<T, 1>(row, xc, nb, out);
+        }
+        for (int m = 0; m < ch.second; ++m) y[(ch.first + m) * N + n] = out[m];
+      }
+  });
+}
+
+template <int T>
+static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
+  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
+  const int64_t nb = K / QK;
+  parallel_chunks(N * nb, 256, N * K, [&](int64_t i0, int64_t i1) {
+    alignas(64) uint8_t q[QK];
+    float a[NG], c[NG];
+    for (int64_t i = i0; i < i1; ++i) {
+      decode<T>(w + i * TS, q, a, c);
+      for (int g = 0; g < NG; ++g) vstore(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
+    }
+  });
+}
+
+#define DISPATCH(F, ...) switch (type) { \
+  case Q4_0: F<Q4_0>(__VA_ARGS__); break; case Q4_1: F<Q4_1>(__VA_ARGS__); break; \
+  case Q5_0: F<Q5_0>(__VA_ARGS__); break; case Q5_1: F<Q5_1>(__VA_ARGS__); break; \
+  case Q8_0: F<Q8_0>(__VA_ARGS__); break; case Q2_K: F<Q2_K>(__VA_ARGS__); break; \
+  case Q3_K: F<Q3_K>(__VA_ARGS__); break; case Q4_K: F<Q4_K>(__VA_ARGS__); break; \
+  case Q5_K: F<Q5_K>(__VA_ARGS__); break; case Q6_K: F<Q6_K>(__VA_ARGS__); break; \
+  default: TORCH_CHECK(false, "unknown ggml type id ", type); }
+
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N, torch::Tensor bias) {
+  // x [..., K] (any float dtype), w uint8 raw GGUF rows (N * row_bytes bytes), bias [N] float32
+  // or empty -> y [..., N] in x's dtype (the sums in float32)
+  const auto dtype = x.scalar_type();
+  auto shape = x.sizes().vec();
+  const int64_t K = shape.back(), M = K > 0 ? x.numel() / K : 0;
+  auto x2 = x.to(torch::kFloat32).contiguous();
+  w = w.contiguous();
+  shape.back() = N;
+  auto y = torch::empty(shape, x2.options());
+  DISPATCH(fused_impl, x2.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K)
+  if (bias.numel() > 0) y.add_(bias);
+  return dtype == torch::kFloat32 ? y : y.to(dtype);
+}
+
+torch::Tensor gguf_dequantize(torch::Tensor w, int64_t type, int64_t N, int64_t K) {
+  // w uint8 raw GGUF rows -> float32 [N, K], bit-identical to formats.gguf.dequantize_gguf
+  w = w.contiguous();
+  auto out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  DISPATCH(dequant_impl, w.data_ptr<uint8_t>(), out.data_ptr<float>(), N, K)
+  return out;
+}
