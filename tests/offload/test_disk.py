@@ -74,7 +74,7 @@ def test_capacity_evicts_lru_and_rejects_oversize(tmp_path):
     assert not (tmp_path / "blocks" / "k1.blk").exists()
     with pytest.raises(TierFullError, match="larger than"):
         t.put("big", blk(0, n=10000))
-    assert not t.contains("big") and not list((tmp_path / "blocks").glob(".tmp*"))
+    assert not t.contains("big") and not list((tmp_path / "blocks").glob(disk_mod.TEMP_PREFIX + "*"))
 
 
 def test_disk_full_leaves_no_partial_block(tmp_path, monkeypatch):
@@ -106,7 +106,7 @@ def test_kill_9_during_writes_loses_nothing_reported(tmp_path):
     reported += [ln.strip() for ln in p.stdout.read().splitlines() if ln.strip()]
     # the writer was killed mid-stream: a temp file of a dead pid may remain, never a .blk
     t = DiskTier(tmp_path)  # reopening removes temp files of dead writers
-    assert not list((tmp_path / "blocks").glob(".tmp*"))
+    assert not list((tmp_path / "blocks").glob(disk_mod.TEMP_PREFIX + "*"))
     for key in reported:
         b = t.get(key)
         assert b is not None, key
