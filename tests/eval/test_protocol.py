@@ -1,6 +1,7 @@
 """The evaluation protocol on a tiny random model: exactness, noise, bytes, bad input."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from transformers import DynamicCache
 
 from lessmem.eval import CacheSpec, evaluate, make_windows
 from lessmem.eval._reference import reference_kld, reference_ppl
+from lessmem.eval.caches import cache_kwarg
 from lessmem.eval.perplexity import check_protocol
 from lessmem.models import tiny_random, tiny_tokenizer
 
@@ -86,8 +88,8 @@ def test_kld_accumulation_matches_reference(model, tok):
     with torch.inference_mode():
         logits = []
         for c in (DynamicCache(config=model.config), NoisyCache(config=model.config)):
-            a = model(ids[:, :P], cache=c).logits[0, -1:]
-            b = model(ids[:, P:], cache=c).logits[0, :-1]
+            a = model(ids[:, :P], **{cache_kwarg(model): c}).logits[0, -1:]
+            b = model(ids[:, P:], **{cache_kwarg(model): c}).logits[0, :-1]
             logits.append(torch.cat([a, b]))
     assert r["kld"] == pytest.approx(reference_kld(*logits), rel=1e-4, abs=1e-9)
 
@@ -147,3 +149,41 @@ def test_sliding_window_models(arch, tok):
     assert rows[0]["fp16_kv_bytes"] < 4 * 2 * 2 * 96 * 16 * 2
     for r in rows[1:]:
         assert math.isfinite(r["ppl"]) and r["kv_bytes"] > 0
+
+
+def _first_use_spec(delay: float) -> CacheSpec:
+    """A DynamicCache whose first decode step (the first update onto a non-empty cache,
+    over every cache the spec builds) sleeps ``delay`` s, as a kernel's first use would."""
+    paid = []
+
+    class FirstUse(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if not paid and self.get_seq_length(layer_idx) > 0:
+                paid.append(True)
+                time.sleep(delay)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return CacheSpec("first-use", lambda cfg: FirstUse(config=cfg))
+
+
+def test_warm_up_keeps_the_first_use_out_of_tok_per_s(model, tok):
+    delay = 0.5
+    kw = dict(windows=1, window_len=64, chunk=8)
+    warm = _by_name(evaluate(model, tok, [_first_use_spec(delay)], TEXT, **kw))["first-use"]
+    cold = _by_name(evaluate(model, tok, [_first_use_spec(delay)], TEXT, warmup=False, **kw))["first-use"]
+    fed = 64 - 16
+    # without the warm-up the delay lands inside the timed chunk forwards; with it, outside
+    assert fed / cold["tok_per_s"] >= delay
+    assert fed / warm["tok_per_s"] < delay
+    assert warm["first_use_s"] >= 0.8 * delay and warm["warmup"] is True
+    assert math.isnan(cold["first_use_s"]) and cold["warmup"] is False
+    # the warm-up uses a throwaway cache: the scores are the same either way
+    assert warm["ppl"] == cold["ppl"] and warm["kld"] == cold["kld"]
+
+
+def test_log_names_each_warm_up_and_window(model, tok):
+    lines = []
+    noisy = CacheSpec("noisy", lambda cfg: NoisyCache(config=cfg))
+    evaluate(model, tok, [noisy], TEXT, windows=2, window_len=32, chunk=8, log=lines.append)
+    assert lines == ["warm-up dynamic (1/2)", "warm-up noisy (2/2)",
+                     "window 1/2: 32 tokens through 2 caches", "window 2/2: 32 tokens through 2 caches"]

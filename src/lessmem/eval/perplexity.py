@@ -4,13 +4,18 @@ Protocol (fixed, reproducible):
 
 1. The text is tokenized without special tokens and cut into consecutive,
    non-overlapping windows of ``window_len`` tokens; the first ``windows`` are used.
-2. For each window and each config a fresh cache is built; the first
+2. Warm-up (``warmup=True``, the default): before anything is timed, each config runs
+   a prefill and one chunk on a throwaway cache, so the first use of its kernels
+   (building or loading them, first allocations) is not counted in its speed; that
+   one-time cost is reported on its own as ``first_use_s`` (the warm-up's time less a
+   warm prefill and chunk).
+3. For each window and each config a fresh cache is built; the first
    ``P = window_len // 4`` tokens are prefilled through it in one forward pass;
    the remaining tokens are fed through the same cache in chunks of ``chunk`` tokens
    (``chunk=1`` is exact token-by-token decoding).
-3. Every token after the prefill is scored (``window_len - P`` per window): token
+4. Every token after the prefill is scored (``window_len - P`` per window): token
    ``P`` from the prefill's last logits, tokens ``P+1..N-1`` from the chunks' logits.
-4. The unquantized baseline (transformers ``DynamicCache``) runs in lockstep with the
+5. The unquantized baseline (transformers ``DynamicCache``) runs in lockstep with the
    configs, chunk by chunk, so its next-token distribution ``p`` is held for one chunk
    only (``[chunk, vocab]``), never for the whole text. Per config with distribution
    ``q``::
@@ -20,7 +25,7 @@ Protocol (fixed, reproducible):
        top1   = mean_t  [argmax q_t == argmax p_t]
        delta_ppl_pct = 100 (ppl / ppl_baseline - 1)
 
-5. Bytes are read from the cache after the whole window (``window_len`` tokens held);
+6. Bytes are read from the cache after the whole window (``window_len`` tokens held);
    ``tok_per_s`` is tokens fed in the chunk phase / seconds spent in those forwards.
 
 Example:
@@ -98,7 +103,11 @@ class _Acc:
         self.nll = self.kld = 0.0
         self.top1 = self.n = 0
         self.fed = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # chunk forwards (tok_per_s)
+        self.chunks = 0
+        self.prefill_seconds = 0.0
+        self.prefills = 0
+        self.warmup_seconds: float | None = None  # prefill + first chunk of the warm-up
         self.mem: list[dict] = []
 
     def add(self, logits, base: _Baseline, targets):
@@ -108,6 +117,14 @@ class _Acc:
         self.kld += float((base.p * (base.logp - logq)).sum(-1).clamp_min(0).sum())
         self.top1 += int((logq.argmax(-1) == base.top).sum())
         self.n += targets.numel()
+
+    def first_use_s(self) -> float:
+        """The one-time cost the warm-up paid: its prefill + first chunk, less what a
+        prefill and a chunk cost once warm (NaN without a warm-up)."""
+        if self.warmup_seconds is None or not self.prefills or not self.chunks:
+            return float("nan")
+        steady = self.prefill_seconds / self.prefills + self.seconds / self.chunks
+        return max(0.0, self.warmup_seconds - steady)
 
 
 class _Baseline:
@@ -140,19 +157,25 @@ def evaluate(
     model_name: str | None = None,
     text_name: str | None = None,
     time_budget_s: float | None = None,
+    warmup: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Run the protocol (module docstring) for each config; one result dict per config.
 
     ``configs``: names (``"dynamic"``, peers, lessmem presets), KVConfigs or
     CacheSpecs; the ``"dynamic"`` baseline is always evaluated and comes first.
-    ``progress(done, total)`` is called after every forward step of every window.
+    ``progress(done, total)`` is called after every forward step of every window;
+    ``log(message)`` once per stage (each config's warm-up, each window).
     ``time_budget_s``: stop after the window during which the budget ran out (at least
     one window is always done); the rows then report the windows actually evaluated.
+    ``warmup``: before any timing, run each config once on a throwaway cache (step 2 of
+    the protocol), so no config pays the kernels' first use inside ``tok_per_s``.
     Each dict carries ``config, kind, ppl, delta_ppl_pct, kld, top1, k_bits, v_bits,
-    kv_bytes, fp16_kv_bytes, compression, tok_per_s, speed_vs_baseline, tokens_scored,
-    memory`` and the protocol (``model, text, windows, window_len, chunk, prefill``);
-    rows of tiered caches (``eval.caches.with_offload``) also carry ``offload``: bytes per
-    tier, device bytes and peak vs budget. Every cache is closed after its window.
+    kv_bytes, fp16_kv_bytes, compression, tok_per_s, speed_vs_baseline, first_use_s,
+    tokens_scored, memory`` and the protocol (``model, text, windows, window_len, chunk,
+    prefill, warmup``); rows of tiered caches (``eval.caches.with_offload``) also carry
+    ``offload``: bytes per tier, device bytes and peak vs budget. Every cache is closed
+    after its window.
 
     Example:
         >>> from lessmem.models import tiny_random, tiny_tokenizer
@@ -164,77 +187,119 @@ def evaluate(
     # inflating the history); other caches still go through SDPA. Undone on return.
     from lessmem.kvcache import enable
 
-    with enable(model):
-        return _evaluate(model, tok, configs, text, windows, window_len, chunk, progress,
-                         model_name, text_name, time_budget_s)
-
-
-def _evaluate(model, tok, configs, text, windows, window_len, chunk, progress, model_name,
-              text_name, time_budget_s) -> list[dict]:
     check_protocol(windows, window_len, chunk)
-    specs = resolve_configs(configs)
-    base = [s for s in specs if s.name == BASELINE] or resolve_configs([BASELINE])
-    specs = base + [s for s in specs if s.name != BASELINE]
+    specs = _baseline_first(resolve_configs(configs))
     ids_all = make_windows(tok, text, windows, window_len)
-    P = window_len // 4
-    kw = cache_kwarg(model)
-    device = next(model.parameters()).device
-    accs = {s.name: _Acc() for s in specs}
-    starts = list(range(P, window_len, chunk))
-    total, done = windows * (1 + len(starts)), 0
-    t_start, n_done = time.perf_counter(), 0
-
-    for w in range(windows):
-        if time_budget_s is not None and n_done and time.perf_counter() - t_start > time_budget_s:
-            break
-        ids = ids_all[w : w + 1].to(device)  # [1, N]
-        caches = {s.name: s.make(model.config) for s in specs}
-        # prefill: last logits predict token P
-        base = None
-        for s in specs:
-            out = model(ids[:, :P], **{kw: caches[s.name]}, use_cache=True, logits_to_keep=1)
-            logits = out.logits[0, -1:]  # [1, V]
-            base = base or _Baseline(logits)
-            accs[s.name].add(logits, base, ids[0, P : P + 1])
-        done += 1
-        if progress:
-            progress(done, total)
-        for st in starts:
-            en = min(st + chunk, window_len)
-            x = ids[:, st:en]  # [1, c]
-            targets = ids[0, st + 1 : en + 1]  # the last chunk's last logit has no target
-            n_t = targets.numel()
-            base = None
-            for s in specs:
-                acc = accs[s.name]
-                t0 = time.perf_counter()
-                out = model(x, **{kw: caches[s.name]}, use_cache=True)
-                acc.seconds += time.perf_counter() - t0
-                acc.fed += x.shape[1]
-                logits = out.logits[0, :n_t]  # [n_t, V]
-                if n_t == 0:
-                    continue
-                base = base or _Baseline(logits)
-                acc.add(logits, base, targets)
-            done += 1
-            if progress:
-                progress(done, total)
-        for s in specs:
-            accs[s.name].mem.append(measure_memory(caches[s.name]))
-        for c in caches.values():
-            close_cache(c)
-        del caches
-        n_done += 1
-
+    with enable(model):
+        run = _Lockstep(model, specs, window_len, chunk, progress, log)
+        if warmup:
+            run.warm_up(ids_all[:1])
+        n_done = run.windows(ids_all, time_budget_s)
     protocol = {
         "model": model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
         "text": text_name or ("<ids>" if isinstance(text, torch.Tensor) else "<string>"),
-        "windows": n_done,
-        "window_len": window_len,
-        "chunk": chunk,
-        "prefill": P,
+        "windows": n_done, "window_len": window_len, "chunk": chunk, "prefill": run.P,
+        "warmup": bool(warmup),
     }
-    return _rows(specs, accs, protocol)
+    return _rows(specs, run.accs, protocol)
+
+
+def _baseline_first(specs: list[CacheSpec]) -> list[CacheSpec]:
+    base = [s for s in specs if s.name == BASELINE] or resolve_configs([BASELINE])
+    return base + [s for s in specs if s.name != BASELINE]
+
+
+class _Lockstep:
+    """Steps 2 to 6 of the protocol: every config fed the same tokens, chunk by chunk,
+    beside the baseline (``specs[0]``)."""
+
+    def __init__(self, model, specs, window_len, chunk, progress, log):
+        self.model, self.specs, self.chunk = model, specs, chunk
+        self.window_len, self.P = window_len, window_len // 4
+        self.kw = cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        self.accs = {s.name: _Acc() for s in specs}
+        self.starts = list(range(self.P, window_len, chunk))
+        self.progress, self.log = progress, log or (lambda msg: None)
+
+    def _forward(self, x, cache, **kw):
+        return self.model(x, **{self.kw: cache}, use_cache=True, **kw)
+
+    def warm_up(self, ids) -> None:
+        """Step 2: a prefill and one chunk per config on a throwaway cache, timed apart
+        (``first_use_s``): the first use of a kernel (building, loading, first
+        allocations) is paid here, not inside any config's tok/s."""
+        ids = ids.to(self.device)
+        x = ids[:, self.P : self.P + self.chunk]
+        for i, s in enumerate(self.specs):
+            self.log(f"warm-up {s.name} ({i + 1}/{len(self.specs)})")
+            cache = s.make(self.model.config)
+            t0 = time.perf_counter()
+            self._forward(ids[:, : self.P], cache, logits_to_keep=1)
+            self._forward(x, cache)
+            self.accs[s.name].warmup_seconds = time.perf_counter() - t0
+            close_cache(cache)
+
+    def windows(self, ids_all, time_budget_s) -> int:
+        """Steps 3 to 6 over each window; the number of windows evaluated."""
+        n = ids_all.shape[0]
+        total, t_start, n_done = n * (1 + len(self.starts)), time.perf_counter(), 0
+        for w in range(n):
+            if time_budget_s is not None and n_done and time.perf_counter() - t_start > time_budget_s:
+                break
+            self.log(f"window {w + 1}/{n}: {self.window_len} tokens through {len(self.specs)} caches")
+            ids = ids_all[w : w + 1].to(self.device)  # [1, N]
+            caches = {s.name: s.make(self.model.config) for s in self.specs}
+            try:
+                self._prefill(ids, caches)
+                self._tick(w, 0, total)
+                for j, st in enumerate(self.starts):
+                    self._step(ids, caches, st)
+                    self._tick(w, j + 1, total)
+                for s in self.specs:
+                    self.accs[s.name].mem.append(measure_memory(caches[s.name]))
+            finally:
+                for c in caches.values():
+                    close_cache(c)
+            n_done += 1
+        return n_done
+
+    def _tick(self, w, j, total):
+        if self.progress:
+            self.progress(w * (1 + len(self.starts)) + j + 1, total)
+
+    def _prefill(self, ids, caches) -> None:
+        """Step 3, prefill: the last logits of the first P tokens predict token P."""
+        base = None
+        for s in self.specs:
+            acc = self.accs[s.name]
+            t0 = time.perf_counter()
+            out = self._forward(ids[:, : self.P], caches[s.name], logits_to_keep=1)
+            acc.prefill_seconds += time.perf_counter() - t0
+            acc.prefills += 1
+            logits = out.logits[0, -1:]  # [1, V]
+            base = base or _Baseline(logits)
+            acc.add(logits, base, ids[0, self.P : self.P + 1])
+
+    def _step(self, ids, caches, st) -> None:
+        """Steps 3-5, one chunk: tokens st..en-1 fed, tokens st+1..en scored."""
+        en = min(st + self.chunk, self.window_len)
+        x = ids[:, st:en]  # [1, c]
+        targets = ids[0, st + 1 : en + 1]  # the last chunk's last logit has no target
+        n_t = targets.numel()
+        base = None
+        for s in self.specs:
+            acc = self.accs[s.name]
+            t0 = time.perf_counter()
+            out = self._forward(x, caches[s.name])
+            acc.seconds += time.perf_counter() - t0
+            acc.fed += x.shape[1]
+            acc.chunks += 1
+            if n_t == 0:
+                continue
+            logits = out.logits[0, :n_t]  # [n_t, V]
+            base = base or _Baseline(logits)
+            acc.add(logits, base, targets)
 
 
 def _rows(specs: list[CacheSpec], accs: dict, protocol: dict) -> list[dict]:
@@ -266,6 +331,7 @@ def _rows(specs: list[CacheSpec], accs: dict, protocol: dict) -> list[dict]:
             "compression": fp16 / kv if kv else float("nan"),
             "tok_per_s": tps,
             "speed_vs_baseline": tps / base_tps if base_tps == base_tps and base_tps > 0 else float("nan"),
+            "first_use_s": a.first_use_s(),
             "tokens_scored": a.n,
             "memory": mem,
             "detail": s.detail,
