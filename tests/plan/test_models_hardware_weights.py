@@ -102,7 +102,7 @@ def test_hardware_overrides():
     cpu = get_hardware("laptop-cpu")
     assert cpu.unified and [t["tier"] for t in cpu.tiers()] == ["device", "nvme"]
     assert get_hardware("RTX 4090").name == "rtx-4090"
-    with pytest.raises(ValueError, match=r"unknown hardware 'tpu'; choose one of: lecture-gpu, h100"):
+    with pytest.raises(ValueError, match=r"unknown hardware 'tpu'; choose one of: generic-gpu, h100"):
         get_hardware("tpu")
     with pytest.raises(ValueError, match=r"hbm_bw=-1.0 must be a positive bandwidth"):
         get_hardware("h100", hbm_bw=-1.0)
@@ -147,7 +147,7 @@ def test_int8_per_channel_and_bad_formats():
 
 
 def test_per_transfer_latencies_in_the_lectures_ranges():
-    hw = get_hardware("lecture-gpu")
+    hw = get_hardware("generic-gpu")
     assert 5e-6 <= hw.pcie_latency_s <= 10e-6 and 20e-6 <= hw.nvme_latency_s <= 50e-6
     assert 1500e9 <= hw.hbm_bw <= 3300e9  # "1,500-3,300 GB/s"
 

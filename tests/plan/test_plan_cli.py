@@ -78,7 +78,7 @@ def test_nothing_fits_says_what_would(capsys):
 
 @pytest.mark.parametrize("args,match", [
     (["--model", "gpt-5"], "unknown model 'gpt-5'; choose one of: llama-3-8b"),
-    (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'; choose one of: lecture-gpu"),
+    (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'; choose one of: generic-gpu"),
     (["--context", "-5"], "context=-5 must be a positive number of tokens"),
     (["--kv-budget", "100"], "kv_budget=100 bytes is below one token"),
     (["--kv", "fp7"], "unknown KV precision 'fp7'"),

@@ -96,7 +96,7 @@ def parse_count(text, what: str = "count") -> int:
     m = re.fullmatch(r"(-?[0-9]*\.?[0-9]+)\s*([km]?)", s)
     if not m:
         raise ValueError(f"{what}={text!r} is not a whole number (e.g. 16384 or 16k = 16,384)")
-    # token counts follow the lecture: "16K context" means 16,384 tokens
+    # token counts are binary: "16K context" means 16,384 tokens
     v = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2)]
     if v != int(v):
         raise ValueError(f"{what}={text!r} is not a whole number")
@@ -130,7 +130,7 @@ def size_text(n: int) -> str:
 
 
 def fmt_rate(bps: float) -> str:
-    """Bandwidth in decimal units (how vendors and the lecture quote it), plus GiB/s or MiB/s."""
+    """Bandwidth in decimal units (how vendors quote it), plus GiB/s or MiB/s."""
     for unit, div in (("TB/s", TB), ("GB/s", GB), ("MB/s", MB), ("KB/s", KB)):
         if bps >= div:
             dec = f"{bps / div:,.4g} {unit}"
@@ -148,7 +148,7 @@ def fmt_time(s: float) -> str:
         return "inf"
     if s >= 1:
         return f"{s:,.3g} s"
-    if s >= 1e-3:  # 2.86 ms, 171.8 ms, 859.0 ms (the lecture's precision)
+    if s >= 1e-3:  # 2.86 ms, 171.8 ms, 859.0 ms (four significant digits)
         ms = s * 1e3
         return f"{ms:,.2f} ms" if ms < 10 else f"{ms:,.1f} ms"
     return f"{s * 1e6:,.1f} µs"

@@ -1,6 +1,6 @@
 """The quantization error explorer: where the error goes, bits × group size, on any matrix.
 
-What the lecture's interactive simulator shows, as functions over ``lessmem.formats``:
+An interactive quantization-error simulator's views, as functions over ``lessmem.formats``:
 
 - ``error_table``: effective bits/weight (scales and zero points counted, from the
   QTensor's own bytes), SNR = 10·log10(Σw² / Σ(w − ŵ)²) in dB, max |w − ŵ|, and

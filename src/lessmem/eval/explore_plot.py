@@ -1,6 +1,6 @@
 """The explorer's picture: 128 weights original vs reconstructed, and SNR vs bits.
 
-Top panels (as the lecture draws it): each of the first 128 weights of row 0 as a dot,
+Top panels: each of the first 128 weights of row 0 as a dot,
 its reconstruction as a cross, the error as a red bar between them, dashed lines at the
 group boundaries — once with groups, once per-tensor. Bottom: SNR (dB) against bits,
 one curve per group size. A symlog y axis keeps ordinary weights visible beside 100×

@@ -16,7 +16,7 @@ Which E4M3 is which (``FP8_FORMATS`` holds the numbers, checked against torch.fi
 - ``fp8-e4m3fnuz`` → ``torch.float8_e4m3fnuz`` (AMD MI300/Graphcore): bias 8, no
   infinities, no negative zero (0x80 is the only NaN): max ±240, smallest subnormal 2^-10.
   A strictly IEEE-754-style E4M3 (top exponent reserved for inf/NaN, bias 7) would also
-  top out at 1.875·2^7 = ±240, which is the ±240 that lecture notes quote; torch has no
+  top out at 1.875·2^7 = ±240, which is the ±240 that many texts quote; torch has no
   dtype for that variant, and ``float8_e4m3fnuz`` is the one that shares its range.
 - ``fp8-e5m2`` → ``torch.float8_e5m2``: IEEE-style (inf and NaN), bias 15, max ±57344,
   smallest subnormal 2^-16 (wide range, 2 mantissa bits: gradients, some KV caches).

@@ -15,7 +15,7 @@ Codes are stored unsigned and bit-packed: symmetric codes are offset by 2^(b-1).
 SuperBlock granularity: each sub-block's scale is stored as a ``sub_scale_bits`` code
 against one fp16 scale per super-block, rounded *up* (ceil) so no element clips.
 
-Example (exercise 1 of the KV-cache lecture):
+Example (a 4-element key vector to int8, symmetric):
     >>> import torch
     >>> from lessmem.formats import quantize, PerToken
     >>> k = torch.tensor([[1.20, -0.45, 3.80, -2.10]])

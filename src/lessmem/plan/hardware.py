@@ -1,12 +1,12 @@
 """Hardware for planning: memory tiers, their capacities and sustained bandwidths.
 
-Three tiers, as the lecture draws them: device memory (HBM on a GPU, DRAM on a CPU),
+Three tiers, as capacity planning draws them: device memory (HBM on a GPU, DRAM on a CPU),
 host RAM reached over PCIe, and local NVMe. Bandwidths are decimal (1 GB/s = 10^9 B/s)
-as vendors quote them; capacities are binary (GiB) as the lecture's table gives them.
+as vendors quote them; capacities are binary (GiB) as vendors' spec sheets give them.
 
 PCIe: theoretical per-lane rate = GT/s × encoding / 8 (Gen3+ use 128b/130b), so Gen4 x16
 = 16 × 16 × 128/130 / 8 = 31.5 GB/s. Sustained DMA is about 79% of that; the constant
-is pinned so Gen4 x16 gives the lecture's 25 GB/s exactly.
+is pinned so Gen4 x16 gives 25 GB/s exactly.
 
 Example:
     >>> from lessmem.plan.hardware import get_hardware, pcie_bandwidth
@@ -49,8 +49,8 @@ class Hardware:
     host_ram: int = 256 * GiB
     nvme_bw: float = 5e9  # sustained read, bytes/s (PCIe Gen4 x4 SSD)
     pcie_bw_override: float | None = None
-    pcie_latency_s: float = 7.5e-6  # per transfer, the lecture's 5–10 µs
-    nvme_latency_s: float = 35e-6  # per transfer, the lecture's 20–50 µs
+    pcie_latency_s: float = 7.5e-6  # per transfer, typically 5–10 µs
+    nvme_latency_s: float = 35e-6  # per transfer, typically 20–50 µs
 
     def __post_init__(self):
         for k in ("hbm_bw", "nvme_bw"):
@@ -115,7 +115,7 @@ def _gpu(name, desc, bw, cap_gib, gen=4, host_gib=512, nvme=5e9):
 HARDWARE_PRESETS: dict[str, Hardware] = {
     h.name: h
     for h in (
-        _gpu("lecture-gpu", "the lecture's reference GPU: HBM 1,500 GB/s (low end of HBM), "
+        _gpu("generic-gpu", "a generic data-centre GPU: 80 GiB HBM at 1,500 GB/s (low end of HBM), "
              "PCIe Gen4 x16 (25 GB/s sustained), NVMe Gen4 x4 (5 GB/s)", 1.5e12, 80, host_gib=256),
         _gpu("h100", "NVIDIA H100 SXM5 80 GB, HBM3 3.35 TB/s, PCIe Gen5 x16", 3.35e12, 80, gen=5),
         _gpu("h100-pcie", "NVIDIA H100 PCIe 80 GB, HBM2e 2.0 TB/s, PCIe Gen5 x16", 2.0e12, 80, gen=5),
@@ -136,9 +136,9 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     )
 }
 HW_ALIASES = {"h100-sxm": "h100", "a100": "a100-80g", "a100-80gb": "a100-80g", "4090": "rtx-4090",
-              "rtx4090": "rtx-4090", "laptop": "laptop-cpu", "cpu": "laptop-cpu", "lecture": "lecture-gpu",
-              "default": "lecture-gpu", "mi300": "mi300x", "l4-24g": "l4"}
-DEFAULT_HARDWARE = "lecture-gpu"
+              "rtx4090": "rtx-4090", "laptop": "laptop-cpu", "cpu": "laptop-cpu",
+              "default": "generic-gpu", "mi300": "mi300x", "l4-24g": "l4"}
+DEFAULT_HARDWARE = "generic-gpu"
 
 
 def hardware_choices() -> str:

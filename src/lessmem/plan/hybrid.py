@@ -1,6 +1,6 @@
 """The hybrid strategy: quantize the KV cache, keep what fits in a budget, offload the rest.
 
-For each precision and a KV budget on the device (the lecture's exercise 3):
+For each precision and a KV budget on the device (the 16-request scenario's question):
 
 - resident tokens per request n_r: the most tokens whose cache fits in budget / B
   (all of it for bare precisions: ⌊budget / (B · bytes_per_token)⌋; windows, sinks and
@@ -8,7 +8,7 @@ For each precision and a KV budget on the device (the lecture's exercise 3):
 - offloaded tokens per request T − n_r, and their bytes, placed on host RAM over PCIe
   (NVMe when host RAM is full, or on a machine without a separate device memory);
 - the streaming demand at a target rate R tokens/s (all requests together), two ways:
-  *sliding*: attention limited to the resident window (the lecture's assumption), so
+  *sliding*: attention limited to the resident window (an assumption the caller chooses), so
   each new token pushes one token's KV across the boundary: demand = bytes/token × R;
   *full*: attention reads every offloaded token every step: demand = offloaded bytes ×
   R / B (one step yields B tokens);
@@ -97,14 +97,14 @@ def hybrid_row(model, hw, p: KVPrecision, context: int, batch: int, budget: int,
 
 def choose(rows: list[dict]) -> dict | None:
     """Pick a row: the most precise that fits entirely; otherwise the most compact among the
-    best quality class offered that is at most near-lossless (the lecture picks fp8, not int4),
+    best quality class offered that is at most near-lossless (fp8 before int4),
     falling back to the most compact of all."""
     fits = [r for r in rows if r["fits_entirely"]]
     if fits:
         return max(fits, key=lambda r: (-_QUALITY_RANK[r["quality"]], r["bytes_per_token"]))
     pool = [r for r in rows if r["resident_tokens_per_request"] > 0]
     near = [r for r in pool if _QUALITY_RANK[r["quality"]] == 1]
-    # the lecture: quantize as far as quality allows (fp8 halves the cache, near-lossless),
+    # quantize as far as quality allows (fp8 halves the cache, near-lossless),
     # then offload the rest, rather than go lossy (int4) or stay at fp16 and offload more
     return min(near or pool, key=lambda r: r["bytes_per_token"]) if pool else None
 

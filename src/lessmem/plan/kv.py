@@ -7,7 +7,7 @@ head). At b bytes per element that is 2·L·H_kv·d·b bytes — 65,536·b for L
 recent ``window`` tokens in full precision, and may leave whole layers unquantized.
 
 Convention: the bare names ``fp16 bf16 fp8 int8 int4 int2`` (and ``kXvY`` such as
-``k8v4``) count the codes only, as the lecture's 65,536·b does. Metadata and windows
+``k8v4``) count the codes only (65,536·b bytes per token for Llama-3-8B). Metadata and windows
 are counted for the lessmem cache presets — ``lessmem:fp8``, ``lessmem:int8``,
 ``lessmem:int4`` (prefixed where the name clashes), ``kivi-4``, ``kivi-2``, ``int4-rot``,
 ``best-4``, ``best-2`` — or when options are given: ``int4:g=32:zp=1:window=128:sinks=4``.
@@ -124,11 +124,11 @@ RAW: dict[str, KVPrecision] = {
     "fp32": _raw("fp32", 32, quality="reference", desc="fp32, 4 bytes/element"),
     "fp16": _raw("fp16", 16, quality="reference", desc="fp16, 2 bytes/element (the baseline)"),
     "bf16": _raw("bf16", 16, quality="reference", desc="bf16, 2 bytes/element"),
-    "fp8": _raw("fp8", 8, quality="near-lossless", desc="fp8 (E4M3), 1 byte/element; lecture: <0.05% ppl"),
+    "fp8": _raw("fp8", 8, quality="near-lossless", desc="fp8 (E4M3), 1 byte/element; typically <0.05% ppl"),
     "fp8-e4m3": _raw("fp8-e4m3", 8, quality="near-lossless", desc="fp8 E4M3, 1 byte/element"),
     "fp8-e5m2": _raw("fp8-e5m2", 8, quality="near-lossless", desc="fp8 E5M2, 1 byte/element"),
-    "int8": _raw("int8", 8, quality="near-lossless", desc="int8, 1 byte/element; lecture: ~0.1-0.3% ppl"),
-    "int4": _raw("int4", 4, desc="int4, 0.5 byte/element; lecture: 1-5% ppl without outlier protection"),
+    "int8": _raw("int8", 8, quality="near-lossless", desc="int8, 1 byte/element; typically ~0.1-0.3% ppl"),
+    "int4": _raw("int4", 4, desc="int4, 0.5 byte/element; typically 1-5% ppl without outlier protection"),
     "int3": _raw("int3", 3, desc="int3, 3 bits/element"),
     "int2": _raw("int2", 2, desc="int2, 0.25 byte/element"),
 }

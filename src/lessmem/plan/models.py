@@ -39,7 +39,7 @@ class ModelDims:
     """The shape of a decoder-only transformer, as far as bytes are concerned.
 
     ``params`` overrides the count computed from the shapes (a checkpoint's own
-    number, or the lecture's round "8B").
+    number, or a round "8B").
     """
 
     name: str

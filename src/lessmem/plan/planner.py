@@ -71,7 +71,7 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
     kv_budget: device bytes for the KV cache (enables the hybrid section); target_tps:
     tokens/s for all requests together; buffer: bytes for the transfer table (default:
     the budget, else the first precision's whole cache); params: override the parameter
-    count (e.g. the lecture's round 8e9).
+    count (e.g. a round 8e9).
 
     offload: the tiers below the device as ``lessmem generate --offload`` takes them
     (``"host@1GiB,disk:/path"``): adds ``tier_split``, one :func:`lessmem.plan.tiers.tier_split`

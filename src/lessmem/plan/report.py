@@ -35,7 +35,7 @@ def tables(p: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
           fmt_bytes(r["per_request"]), fmt_bytes(r["total"]),
           f"{r['compression_vs_fp16']:.3g}x ({_pct(r['fraction_of_fp16'])} of fp16)",
           f"{r['k_bits_effective']:.3g}/{r['v_bits_effective']:.3g}"] for r in p["kv"]],
-        "bare names count codes only (the lecture's 2·L·H_kv·d·b); lessmem presets add scales, "
+        "bare names count codes only (the codes-only 2·L·H_kv·d·b); lessmem presets add scales, "
         "zero points, window and sinks",
     ))
     out.append((
@@ -95,7 +95,7 @@ def tables(p: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
             ["KV", "resident tokens", "offloaded", "stream, sliding window", "stream, full attention"],
             rows,
             "* = chosen: the most precise that fits, else the most compact near-lossless one, offloading "
-            "the rest. Sliding: attention over the resident window only (the lecture's assumption), one "
+            "the rest. Sliding: attention over the resident window only, one "
             "token's KV crosses per new token. Full: every offloaded token read every step."
             + ("".join("\n  - " + s for s in h["suggestions"])),
         ))
@@ -159,7 +159,7 @@ def _plain(title, cols, rows, foot) -> str:
 
 
 def fmt_demand(bps: float) -> str:
-    """A small rate the way the lecture writes it: KiB/s = MiB/s ≈ GB/s."""
+    """A small rate in the coarse way capacity planning writes it: KiB/s = MiB/s ≈ GB/s."""
     return f"{bps / 1024:,.6g} KiB/s = {bps / 1024**2:,.6g} MiB/s ≈ {bps / 1e9:.2g} GB/s"
 
 

@@ -7,7 +7,7 @@ A step yields one token per request: B / t_step tokens/s in all.
 Example:
     >>> from lessmem.plan.speed import transfer_times, decode_floor
     >>> from lessmem.plan.hardware import get_hardware
-    >>> rows = transfer_times(4 * 2**30, get_hardware("lecture-gpu"))
+    >>> rows = transfer_times(4 * 2**30, get_hardware("generic-gpu"))
     >>> [round(r["seconds"] * 1e3, 1) for r in rows]
     [2.9, 171.8, 859.0]
     >>> round(decode_floor(16e9, 0, 1, 3.35e12)["tok_s"])
@@ -20,7 +20,7 @@ from __future__ import annotations
 def transfer_times(nbytes: int, hw, step_budget_s: float | None = None) -> list[dict]:
     """Time to read ``nbytes`` from each tier of ``hw`` (data time; per-transfer latency aside).
 
-    ``ratio_vs_device``: how many times slower than device memory (the lecture's 60x, 300x).
+    ``ratio_vs_device``: how many times slower than device memory (60x for PCIe, 300x for NVMe on the generic GPU).
     ``x_step_budget``: the transfer as a multiple of one decode step at the target rate.
     """
     rows = []

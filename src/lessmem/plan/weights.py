@@ -4,9 +4,9 @@ Effective bits count the metadata: b-bit codes with one s-bit scale (and a z-bit
 point) per group of G weights cost b + (s + z)/G bits, so int4 with an fp16 scale per 32
 weights is 4 + 16/32 = 4.5 bits. Two overhead figures, since the literature uses both:
 
-- ``scale_share``: metadata / total bits — 0.5/4.5 = 11.1% at group 32 (the lecture's
+- ``scale_share``: metadata / total bits — 0.5/4.5 = 11.1% at group 32 (as
   "scale overhead"),
-- ``scale_tax``: metadata / code bits — 2/4 = 50% at group 8 (the lecture's "50% tax").
+- ``scale_tax``: metadata / code bits — 2/4 = 50% at group 8 (the "50% tax").
 
 GGUF types are counted from their block layout (bytes per block / weights per block).
 Files are sized with llama.cpp's per-tensor rules (``base.gguf_rules``, the same function
@@ -165,7 +165,7 @@ def tensor_bytes(fmt: WeightFormat, t, n_layers: int, keep_embeddings: bool = Fa
 def weight_footprint(model, fmt: WeightFormat | str, keep_embeddings: bool = False) -> dict:
     """Bytes of all weights of ``model`` in ``fmt``, effective bits over the model, types used.
 
-    When the model states ``params`` that differ from its shapes (e.g. the lecture's round
+    When the model states ``params`` that differ from its shapes (e.g. a round
     8B), the bytes are scaled to that count at the same effective bits.
 
     Example:

@@ -1,7 +1,7 @@
-"""Every figure of the two lecture texts in ../shared/docs/seeds/, one test each.
+"""Every figure of the two source texts the project started from (../shared/docs/seeds/), one test each.
 
 Conventions where the texts round: KiB/MiB/GiB are powers of 1024 and GB/s powers of
-1000 (the lecture's own notation section); "16K context" is 16,384 tokens; times are
+1000 (the texts' own notation section); "16K context" is 16,384 tokens; times are
 compared at the precision the text prints them (2.86 ms, 171.8 ms, 859.0 ms); "an 8B
 model" is exactly 8e9 parameters where the text computes from it (16 GB), and the
 llama-3-8b preset (8.03e9) must round to the same printed figure.
@@ -85,7 +85,7 @@ def test_ratios_60x_and_300x(ex3):
 
 
 def test_pcie_theoretical_31_5_sustained_25():
-    hw = get_hardware("lecture-gpu")
+    hw = get_hardware("generic-gpu")
     assert round(hw.pcie_bw_theoretical / 1e9, 1) == 31.5 and hw.pcie_bw == 25e9
 
 
