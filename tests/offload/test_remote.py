@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from lessmem.offload import RedisTier
+from lessmem.offload import RedisTier, TierUnavailableError
 from lessmem.offload.hashing import layer_key, prefix_hashes
 
 
@@ -59,7 +59,8 @@ def test_capacity_evicts_own_lru(redis_server):
 
 def test_server_down_warns_and_misses(dead_redis_url):
     t = RedisTier(dead_redis_url, retry_after=60)
-    with pytest.warns(RuntimeWarning, match="unavailable"):
+    # a put that stored nothing says so (the caller keeps the block): never a silent drop
+    with pytest.warns(RuntimeWarning, match="unavailable"), pytest.raises(TierUnavailableError):
         t.put("a", blk(1))
     assert t.get("a") is None and not t.contains("a") and t.stats.errors >= 3
     assert not t.available and t.nbytes == 0

@@ -46,17 +46,46 @@ class TierSpec:
             raise ValueError(f"capacity={self.capacity!r} must be a non-negative int or None")
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "target": self.target, "capacity": self.capacity}
+        """Fields as a dict; a Redis URL's password is redacted (:func:`redact_url`)."""
+        target = redact_url(self.target) if self.kind == "remote" else self.target
+        return {"kind": self.kind, "target": target, "capacity": self.capacity}
 
-    def to_text(self) -> str:
-        """The entry as ``--offload`` takes it (``parse_offload_spec`` reads it back exactly).
+    def to_text(self, reveal: bool = False) -> str:
+        """The entry as ``--offload`` takes it (``parse_offload_spec`` reads it back exactly,
+        except that a Redis password prints as ``***`` unless ``reveal=True``).
 
         Example:
             >>> TierSpec("disk", "/tmp/kv", 3 * 2**30).to_text(), TierSpec("host").to_text()
             ('disk:/tmp/kv@3GiB', 'host')
+            >>> TierSpec("remote", "redis://:s3cret@10.0.0.5:6379/0").to_text()
+            'redis://:***@10.0.0.5:6379/0'
         """
-        head = {"device": "device", "host": "host", "disk": f"disk:{self.target}"}.get(self.kind, self.target)
+        target = self.target if reveal or self.kind != "remote" else redact_url(self.target)
+        head = {"device": "device", "host": "host", "disk": f"disk:{target}"}.get(self.kind, target)
         return head if self.capacity is None else f"{head}@{size_text(self.capacity)}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (``redis://user:***@host:6379/0``, also
+    a ``password=`` query parameter), for messages, reprs and reports.
+
+    Example:
+        >>> redact_url("redis://:pw@h:6379/0"), redact_url("unix:///run/r.sock?db=0&password=pw")
+        ('redis://:***@h:6379/0', 'unix:///run/r.sock?db=0&password=***')
+    """
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    scheme, tail = url.split("://", 1)
+    netloc = ""
+    if "@" in tail:  # the last '@': a password may hold '/', '?', '#' or '@' unescaped
+        userinfo, tail = tail.rsplit("@", 1)
+        netloc = (userinfo.split(":", 1)[0] + ":***" if ":" in userinfo else userinfo) + "@"
+    if "?" in tail:
+        path, query = tail.split("?", 1)
+        parts = [p.split("=", 1)[0] + "=***" if p.lower().startswith("password=") else p
+                 for p in query.split("&")]
+        tail = path + "?" + "&".join(parts)
+    return f"{scheme}://{netloc}{tail}"
 
 
 def format_offload_spec(specs) -> str:
