@@ -3,7 +3,7 @@
 One block at a time, one element at a time, every value an ``np.float32`` scalar, in
 the order of llama.cpp's C loops (``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``,
 ``quantize_row_q4_1_ref``, ``quantize_row_q4_K_ref``). The fast vectorized paths in
-``gguf.py`` / ``gguf_kquants.py`` must produce the same bytes.
+``gguf_legacy.py`` / ``gguf_kquants.py`` must produce the same bytes.
 """
 
 from __future__ import annotations
