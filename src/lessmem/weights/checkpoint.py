@@ -18,6 +18,13 @@ Format (a directory):
 
 ``lessmem.load(dir)`` calls ``load_quantized`` when ``lessmem_quant.json`` exists.
 
+Loading trusts nothing in the directory until ``weights.checkpoint_check`` has checked it
+(a damaged or tampered checkpoint gives ``ValueError("<path>: not a valid lessmem
+checkpoint: <what>")``). The model is then built with its parameters on the meta device
+(buffers such as rotary ``inv_freq`` are computed for real), and each stored tensor is
+read once, straight into the tensor the model keeps: the float model is never allocated,
+so loading needs about the checkpoint's size in memory, not the float model's.
+
 Example:
     >>> import tempfile, torch, lessmem
     >>> from lessmem.models import tiny_random
@@ -34,13 +41,18 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..formats.packing import pack_bits, unpack_bits
-from .arch import set_module
+from . import checkpoint_check as check
+from .arch import get_module, set_module
 from .gguf_linear import GGUFLinear
 from .qlinear import QuantLinear
 from .rtn import QuantizedWeight
@@ -99,47 +111,130 @@ def save_quantized(model, directory, tokenizer=None) -> None:
 
 
 def load_quantized(directory):
-    """``(model, tokenizer or None)`` from a directory written by ``save_quantized``."""
-    import transformers
-    from safetensors.torch import load_file
+    """``(model, tokenizer or None)`` from a directory written by ``save_quantized``.
 
+    Nothing in the directory is trusted before ``weights.checkpoint_check`` has checked it;
+    the model is built on the meta device and takes the stored tensors as they are, so the
+    float model is never allocated (peak memory is about the checkpoint's size).
+    """
     d = Path(directory)
     if not (d / MARKER).exists():
         raise ValueError(f"{d} holds no {MARKER}; not a lessmem quantized checkpoint")
-    meta = json.loads((d / MARKER).read_text())
-    if meta.get("format") != "lessmem-quant" or meta.get("version") != 1:
-        raise ValueError(f"{d / MARKER}: format={meta.get('format')!r} version={meta.get('version')!r}; "
-                         "allowed: lessmem-quant version 1")
-    cfg_dict = dict(meta["model_config"])
-    config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    cls = getattr(transformers, meta["architecture"], None)
-    model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
-    tensors = load_file(str(d / WEIGHTS))
-    qkeys = set()
-    for name, spec in meta["modules"].items():
-        n, k, bits = spec["out_features"], spec["in_features"], spec["bits"]
-        codes = unpack_bits(tensors.pop(f"{name}.qweight"), bits, n * k).view(n, k)
-        qw = QuantizedWeight(codes, tensors.pop(f"{name}.scale"), tensors.pop(f"{name}.zero_point"),
-                             bits, spec["group_size"], spec["symmetric"])
-        bias = tensors.pop(f"{name}.bias") if spec["bias"] else None
-        q = QuantLinear.from_quantized(qw, bias, spec["act_bits"])
-        set_module(model, name, q)
-        qkeys.update(f"{name}.{key}" for key in q.state_dict())
-    for name, spec in meta.get("gguf_modules", {}).items():  # filled by load_state_dict below
-        set_module(model, name, GGUFLinear(spec["in_features"], spec["out_features"],
-                                           spec["gguf_type"], spec["bias"]))
-    tied = meta.get("tied", {})
-    for key, src in tied.items():  # re-tie what save_quantized stored once
-        if key not in tensors and src in tensors:
-            tensors[key] = tensors[src]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    missing = [key for key in missing if key not in qkeys]
-    if missing or unexpected:
-        raise ValueError(f"{d / WEIGHTS} does not match its config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    meta = check.read_meta(d / MARKER)
+    config = check.model_config(d / MARKER, meta)
+    cls = check.model_class(d / MARKER, meta["architecture"], config)
+    with parameters_on_meta():
+        model = cls(config)
+    tensors = TensorFile(d / WEIGHTS)
+    check.check_tensors(d, meta, model, tensors.layout)
+    with tensors:
+        _fill(model, meta, tensors)
     model._lessmem_quant = meta.get("quantization")
     model.eval()
     tok = None
     if (d / "tokenizer_config.json").exists() or (d / "tokenizer.json").exists():
+        import transformers
+
         tok = transformers.AutoTokenizer.from_pretrained(str(d))
     return model, tok
+
+
+@contextmanager
+def parameters_on_meta():
+    """While active, every parameter a module registers is replaced by an empty one on the
+    meta device (shape and dtype only); buffers stay real, so values computed at construction
+    (rotary ``inv_freq``, masks) are right. The float weights' memory is never touched
+    (``torch.empty`` pages that are never written are not resident). Global while active,
+    like any parameter-registration hook: build one model at a time."""
+
+    def to_meta(module, name, param):
+        if param is None or param.is_meta:  # already meta: keep it (and ties to it) as it is
+            return None
+        return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class TensorFile:
+    """A safetensors file read one tensor at a time with plain reads into fresh tensors.
+
+    ``layout`` (name -> dtype and shape) comes from the header alone, checked by the
+    safetensors library, so it can be validated before any tensor is read. Reading with
+    ``readinto`` (no memory map) means each byte is in memory once, in its tensor: mapping
+    the file and copying out of it would hold the file's pages as well.
+    """
+
+    def __init__(self, path: Path):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = path
+        try:
+            with safe_open(str(path), framework="pt") as f:  # validates the header
+                self.layout = {}
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    if sl.get_dtype() not in _ST_DTYPES:
+                        raise check.bad(path, f"tensor {key!r} has dtype {sl.get_dtype()}")
+                    self.layout[key] = (_ST_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+        except (OSError, SafetensorError, ValueError) as e:
+            raise check.bad(path, f"not a readable safetensors file ({e})") from None
+        self._data_start = 8 + n
+        self._offsets = {k: v["data_offsets"] for k, v in header.items() if k in self.layout}
+        self._file = None
+
+    def __enter__(self):
+        self._file = open(self.path, "rb")
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+    def read(self, key: str) -> torch.Tensor:
+        dtype, shape = self.layout[key]
+        t = torch.empty(shape, dtype=dtype)
+        buf = t.reshape(-1).view(torch.uint8).numpy()
+        begin, end = self._offsets[key]
+        self._file.seek(self._data_start + begin)
+        if end - begin != buf.nbytes or self._file.readinto(buf) != buf.nbytes:
+            raise check.bad(self.path, f"tensor {key!r} is cut short")
+        return t
+
+
+def _fill(model, meta: dict, file: TensorFile) -> None:
+    """Put the checked tensors into ``model`` (built by ``parameters_on_meta``): quantized
+    layers replace their linears, everything else is assigned in place of the meta tensors."""
+    for name, spec in meta["modules"].items():  # read, repacked, dropped: one layer at a time
+        n, k, bits = spec["out_features"], spec["in_features"], spec["bits"]
+        codes = unpack_bits(file.read(f"{name}.qweight"), bits, n * k).view(n, k)
+        qw = QuantizedWeight(codes, file.read(f"{name}.scale"), file.read(f"{name}.zero_point"),
+                             bits, spec["group_size"], spec["symmetric"])
+        bias = file.read(f"{name}.bias") if spec["bias"] else None
+        set_module(model, name, QuantLinear.from_quantized(qw, bias, spec["act_bits"]))
+    for name, spec in meta["gguf_modules"].items():  # filled by load_state_dict below
+        with parameters_on_meta(), torch.device("meta"):
+            layer = GGUFLinear(spec["in_features"], spec["out_features"], spec["gguf_type"], spec["bias"])
+        set_module(model, name, layer)
+    done = tuple(f"{n}." for n in meta["modules"])
+    tensors = {key: file.read(key) for key in file.layout if not key.startswith(done)}
+    for key, src in meta["tied"].items():  # tied tensors were stored once
+        tensors[key] = tensors[src]
+    model.load_state_dict(tensors, strict=False, assign=True)
+    for key, src in meta["tied"].items():  # the same Parameter object again, not a copy
+        owner, _, leaf = key.rpartition(".")
+        setattr(get_module(model, owner) if owner else model, leaf, model.get_parameter(src)
+                if src in dict(model.named_parameters()) else model.get_buffer(src))
+    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:  # check_tensors accounts for every stored tensor; this guards that promise
+        raise RuntimeError(f"load_quantized left tensors unset: {left[:5]}")
