@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from lessmem.formats.kvlayout import KVLayout
 from lessmem.kernels.attention import QuantKV, QuantSide, cpp_available, quantized_attention
 from lessmem.kernels.attention_reference import attention_reference, dequantize_side, unpack_codes
 
@@ -24,7 +27,9 @@ def _side(g, B, H, T, D, bits, tg, dg, kind):
         zc = 2.0 ** (bits - 1)
     else:
         lut = torch.randn(2**bits, generator=g)
-    return QuantSide(codes, scale, zp, lut, bits, tg, dg, zc)
+    layout = KVLayout(bits, D, dg, tg, has_zero_point=zp is not None, zero_const=zc,
+                      levels=None if lut is None else tuple(lut.tolist()))
+    return QuantSide(codes, scale, zp, layout)
 
 
 @pytest.mark.parametrize("bits,tg,dg,kind", CASES)
@@ -79,9 +84,11 @@ def test_empty_history_and_bad_shapes():
 def test_split_layout_unpacking_is_what_the_doc_says():
     # 4-bit: byte j holds channel j (low nibble) and channel j + D/2 (high nibble)
     codes = torch.tensor([[[[0x21, 0x43]]]], dtype=torch.uint8)
-    assert unpack_codes(codes, 4, 4).tolist() == [[[[1, 3, 2, 4]]]]
-    side = QuantSide(codes, torch.full((1, 1, 1, 1), 0.5).half(), None, None, 4, 1, 4, 1.0)
+    layout = KVLayout(bits=4, head_dim=4, channel_group=4, zero_const=1.0)
+    assert unpack_codes(codes, layout).tolist() == [[[[1, 3, 2, 4]]]]
+    side = QuantSide(codes, torch.full((1, 1, 1, 1), 0.5).half(), None, layout)
     assert dequantize_side(side, 4).tolist() == [[[[0.0, 1.0, 0.5, 1.5]]]]
+    assert torch.equal(layout.unpack(codes), unpack_codes(codes, layout))  # the production unpacker too
 
 
 @pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True)])
@@ -174,3 +181,22 @@ def test_segmented_history_rejects_uneven_parts():
     short = tuple((c[:, :, :8], sc[:, :, :8], z[:, :, :8]) for c, sc, z in segs.v_parts[1:])
     with pytest.raises(ValueError, match="keys and values alike"):
         SegmentedKV(segs.k, segs.v, segs.k_parts, (segs.v_parts[0], *short), 64)
+
+
+@pytest.mark.parametrize("bits,packing,kind", [(1, "split", "zp"), (5, "stream", "sym"), (4, "stream", "lut"),
+                                               (2, "stream", "zp"), (8, "stream", "sym")])
+def test_layouts_the_cache_does_not_use_yet_work_from_their_description(bits, packing, kind):
+    # the kernels read the packing from the layout: no per-bits code is needed for these
+    g = torch.Generator().manual_seed(40 + bits)
+    B, Hkv, Hq, Tq, T, D = 1, 2, 4, 2, 96, 64
+
+    def side(tg, dg):
+        s = _side(g, B, Hkv, T, D, bits, tg, dg, kind)
+        return QuantSide(s.codes, s.scale, s.zero_point, dataclasses.replace(s.layout, packing=packing))
+    kv = QuantKV(side(32, 1), side(1, 16))
+    q = torch.randn(B, Hq, Tq, D, generator=g) * 0.1
+    ref, ref_lse = attention_reference(q, kv)
+    for use_cpp in (True, False):
+        out, lse = quantized_attention(q, kv, use_cpp=use_cpp)
+        assert (out - ref).abs().max() <= 1e-4 * float(ref.abs().max()) + 1e-6
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)

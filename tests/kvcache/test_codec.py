@@ -1,15 +1,25 @@
-"""The cache's block codec against the kernel's independent reference dequantizer."""
+"""The cache's block codec and its layouts against the kernel's independent reference dequantizer."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from lessmem.formats import PerGroup, PerToken
-from lessmem.kernels.attention_reference import dequantize_side
-from lessmem.kvcache.codec import check_head_dim, decode, encode, lloyd_max_levels
+from lessmem.formats.codebook import gaussian_codebook
+from lessmem.kernels.attention import QuantKV, QuantSide, quantized_attention
+from lessmem.kernels.attention_reference import attention_reference, dequantize_side
+from lessmem.kvcache import config as kvconfig
+from lessmem.kvcache.codec import FORMATS, check_head_dim, encode, kv_layout
 from lessmem.kvcache.config import KVTensorConfig
 from lessmem.kvcache.layer import _side
+
+
+def decode(enc, spec, head_dim):
+    """The production dequantizer (the layout's, used by the torch fallback and the cache)."""
+    return kv_layout(spec, head_dim).dequantize(enc.codes, enc.scale, enc.zero_point)
 
 SPECS = [
     KVTensorConfig("uint", 4, PerGroup(32, axis=-2)), KVTensorConfig("uint", 2, PerGroup(16, axis=-2)),
@@ -52,8 +62,45 @@ def test_more_bits_less_error():
 
 def test_lloyd_max_levels_are_the_known_ones():
     # Max (1960): 2-bit Gaussian levels ±0.4528, ±1.510
-    lv = lloyd_max_levels(2)
+    lv = kv_layout(KVTensorConfig("lm", 2, PerToken()), 64).levels
     assert lv[2] == pytest.approx(0.4528, abs=2e-3) and lv[3] == pytest.approx(1.510, abs=2e-3)
+    # one Lloyd-Max solver: the cache's "lm" levels are the formats codebook's
+    for bits in (2, 3, 4):
+        levels = kv_layout(KVTensorConfig("lm", bits, PerToken()), 64).levels
+        assert levels == tuple(gaussian_codebook(bits).tolist())
+
+
+def test_every_config_format_has_one_codec_entry():
+    assert set(FORMATS) == set(kvconfig.FORMATS) - {"none"}
+    with pytest.raises(ValueError, match="full precision and has no KV layout"):
+        kv_layout(kvconfig.NONE, 64)
+
+
+@pytest.mark.parametrize("spec", [KVTensorConfig("uint", 4, PerGroup(32, axis=-2)),
+                                  KVTensorConfig("int", 2, PerToken()), KVTensorConfig("lm", 4, PerGroup(16))],
+                         ids=lambda s: f"{s.format}{s.bits}")
+def test_a_new_layout_round_trips_encoder_reference_kernel(spec):
+    # a layout the cache does not use (bit-stream rows instead of split rows), described once:
+    # the encoder packs by it, the oracle and both kernel paths read it, nothing else changes
+    own = kv_layout(spec, 64)
+    new = dataclasses.replace(own, packing="stream")
+    g = torch.Generator().manual_seed(spec.bits)
+    x = torch.randn(2, 2, 64, 64, generator=g)
+    e_own, e_new = encode(x, spec), encode(x, spec, layout=new)
+    assert e_new.codes.shape == e_own.codes.shape and not torch.equal(e_new.codes, e_own.codes)
+    s_own = QuantSide(e_own.codes, e_own.scale, e_own.zero_point, own)
+    s_new = QuantSide(e_new.codes, e_new.scale, e_new.zero_point, new)
+    ref = dequantize_side(s_new)
+    assert torch.equal(ref, dequantize_side(s_own)) and torch.equal(s_new.dequantize(), ref)
+    kv_own, kv_new = QuantKV(s_own, s_own), QuantKV(s_new, s_new)
+    q = torch.randn(2, 4, 3, 64, generator=g) * 0.1
+    want, _ = attention_reference(q, kv_new)
+    for use_cpp in (True, False):
+        out, _ = quantized_attention(q, kv_new, use_cpp=use_cpp)
+        assert (out - want).abs().max() <= 1e-4 * float(want.abs().max()) + 1e-6
+        assert torch.equal(out, quantized_attention(q, kv_own, use_cpp=use_cpp)[0])
+    with pytest.raises(ValueError, match="does not store format"):
+        encode(x, spec, layout=dataclasses.replace(own, token_group=own.token_group * 2))
 
 
 def test_head_dim_must_fit():

@@ -9,21 +9,25 @@ over full-precision tokens (sinks, window, current chunk) exactly:
     lse = logaddexp(lse_a, lse_b);  out = out_a·e^(lse_a − lse) + out_b·e^(lse_b − lse)
 
 Each side (keys, values) is stored as packed code rows, fp16 scales and optional uint8
-zero points per (tg tokens × dg channels) group; dequantization is
-``x = scale · (lut[c] − z)`` (see ``lessmem.kvcache.codec`` for the layout).
+zero points per (tg tokens × dg channels) group, as its
+:class:`~lessmem.formats.kvlayout.KVLayout` describes; dequantization is
+``x = scale · (lut[c] − z)``.
 
 Paths: the C++ kernel (``attention_cpp.SOURCE``, OpenMP over batch × KV head × history
 split, flash-style online softmax, codes unpacked inside the dot product); without a
-compiler, a torch path that walks the history in chunks of 256 tokens with the same
-online softmax. ``attention_reference`` dequantizes everything (the test oracle).
+compiler, the torch fallback ``attention_torch.torch_attention`` (chunks of 256 tokens,
+the same online softmax). The test oracle, ``attention_reference``, dequantizes
+everything with its own bit arithmetic; no production path imports it.
 
 Example:
     >>> import torch
+    >>> from lessmem.formats.kvlayout import KVLayout
     >>> from lessmem.kernels.attention import QuantSide, QuantKV, quantized_attention
     >>> from lessmem.kernels.attention_reference import attention_reference
     >>> g = torch.Generator().manual_seed(0)
+    >>> lay = KVLayout(bits=4, head_dim=64, channel_group=64, zero_const=8.0)
     >>> side = lambda: QuantSide(torch.randint(0, 256, (1, 2, 40, 32), dtype=torch.uint8, generator=g),
-    ...                          torch.rand(1, 2, 40, 1, generator=g).half(), None, None, 4, 1, 64, 8.0)
+    ...                          torch.rand(1, 2, 40, 1, generator=g).half(), None, lay)
     >>> kv = QuantKV(side(), side())
     >>> q = torch.randn(1, 4, 3, 64, generator=g) * 0.1
     >>> o, lse = quantized_attention(q, kv)
@@ -40,27 +44,51 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.kvlayout import KVLayout
 from ._build import load_cpp
-from .attention_cpp import SOURCE
-from .attention_reference import dequantize_side
-
-_CHUNK = 256
+from .attention_cpp import PACKING_IDS, SOURCE
+from .attention_torch import torch_attention
 
 
 @dataclass(frozen=True)
 class QuantSide:
-    """Packed codes [B, H, T, D·bits/8] uint8, scale fp16 [B, H, T/tg, D/dg], optional
-    zero point uint8 (same shape), optional level table ``lut`` float32 [2^bits]; when
-    ``zero_point`` is None, ``zero_const`` is subtracted instead (0 for lut formats)."""
+    """One side (keys or values) of a quantized history: packed ``codes``
+    [B, H, T, row_bytes] uint8, ``scale`` fp16 [B, H, ceil(T/tg), D/dg], ``zero_point``
+    uint8 of the scale's shape (only when the layout stores zero points), all laid out as
+    ``layout`` (a :class:`~lessmem.formats.kvlayout.KVLayout`) says."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
-    lut: torch.Tensor | None
-    bits: int
-    tg: int
-    dg: int
-    zero_const: float
+    layout: KVLayout
+
+    def __post_init__(self):
+        if not isinstance(self.layout, KVLayout):
+            raise TypeError(f"layout={self.layout!r}; allowed: a lessmem.formats.kvlayout.KVLayout")
+        if (self.zero_point is not None) != self.layout.has_zero_point:
+            raise ValueError(f"zero_point {'given' if self.zero_point is not None else 'missing'}; the "
+                             f"layout {'stores' if self.layout.has_zero_point else 'has no'} zero points")
+
+    # the layout's numbers under the names the kernels use
+    @property
+    def bits(self) -> int:
+        return self.layout.bits
+
+    @property
+    def tg(self) -> int:
+        return self.layout.token_group
+
+    @property
+    def dg(self) -> int:
+        return self.layout.channel_group
+
+    @property
+    def zero_const(self) -> float:
+        return self.layout.zero_const
+
+    @property
+    def lut(self) -> torch.Tensor | None:
+        return self.layout.lut(self.codes.device)
 
     @property
     def n_tokens(self) -> int:
@@ -70,8 +98,11 @@ class QuantSide:
         """The rows of tokens [t0, t1) (t0, t1 multiples of tg)."""
         s0, s1 = t0 // self.tg, -(-t1 // self.tg)
         zp = self.zero_point[:, :, s0:s1] if self.zero_point is not None else None
-        return QuantSide(self.codes[:, :, t0:t1], self.scale[:, :, s0:s1], zp, self.lut,
-                         self.bits, self.tg, self.dg, self.zero_const)
+        return QuantSide(self.codes[:, :, t0:t1], self.scale[:, :, s0:s1], zp, self.layout)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [B, H, T, D] (the torch path; the test oracle is in ``attention_reference``)."""
+        return self.layout.dequantize(self.codes, self.scale, self.zero_point)
 
 
 @dataclass(frozen=True)
@@ -93,7 +124,7 @@ class QuantKV:
 def _cat_parts(t: QuantSide, parts) -> QuantSide:
     zp = torch.cat([p[2] for p in parts], 2) if t.zero_point is not None else None
     return QuantSide(torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2), zp,
-                     t.lut, t.bits, t.tg, t.dg, t.zero_const)
+                     t.layout)
 
 
 @dataclass(frozen=True)
@@ -156,10 +187,12 @@ def _n_split(B: int, H: int, T: int) -> int:
 def _side_args(t: QuantSide, parts):
     """The kernel's arguments for one side: format ``t`` and ``(codes, scale, zp)`` parts."""
     empty_f = torch.empty(0, dtype=torch.float32)  # contiguity and fp16 scales: made in C++
+    lay = t.layout
+    lut = lay.lut("cpu")
     return ([p[0] for p in parts], [p[1] for p in parts],
-            [p[2] for p in parts] if t.zero_point is not None else [],
-            t.lut.float().contiguous() if t.lut is not None else empty_f,
-            int(t.bits), int(t.tg), int(t.dg), float(t.zero_const))
+            [p[2] for p in parts] if lay.has_zero_point else [],
+            lut if lut is not None else empty_f,
+            PACKING_IDS[lay.packing], lay.bits, lay.token_group, lay.channel_group, lay.zero_const)
 
 
 def _kernel_history(kv):
@@ -169,33 +202,6 @@ def _kernel_history(kv):
     k, v = kv.keys, kv.values
     return (*_side_args(k, [(k.codes, k.scale, k.zero_point)]),
             *_side_args(v, [(v.codes, v.scale, v.zero_point)]), 0)
-
-
-def _torch_path(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None):
-    B, Hq, Tq, D = q.shape
-    T = kv.n_tokens
-    rep = Hq // kv.keys.codes.shape[1]
-    step = max(_CHUNK - _CHUNK % max(kv.keys.tg, kv.values.tg), max(kv.keys.tg, kv.values.tg))
-    m = torch.full((B, Hq, Tq), float("-inf"))
-    l = torch.zeros(B, Hq, Tq)
-    acc = torch.zeros(B, Hq, Tq, D)
-    qf = q.float()
-    for t0 in range(0, T, step):  # online softmax over chunks of the history
-        t1 = min(T, t0 + step)
-        k = dequantize_side(kv.keys.slice_tokens(t0, t1), D).repeat_interleave(rep, dim=1)
-        v = dequantize_side(kv.values.slice_tokens(t0, t1), D).repeat_interleave(rep, dim=1)
-        s = qf @ k.transpose(-1, -2)
-        if mask is not None:
-            s = s + mask[:, None, :, t0:t1]
-        mnew = torch.maximum(m, s.amax(-1))
-        safe = torch.where(torch.isinf(mnew), torch.zeros_like(mnew), mnew)
-        corr = torch.exp(m - safe)
-        p = torch.exp(s - safe.unsqueeze(-1))
-        l = l * corr + p.sum(-1)
-        acc = acc * corr.unsqueeze(-1) + p @ v
-        m = mnew
-    out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
-    return out, torch.where(l > 0, m + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
 
 
 def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None = None,
@@ -219,7 +225,7 @@ def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None 
         use_cpp = q.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1"
     mod = _module() if use_cpp and q.device.type == "cpu" else None
     if mod is None:
-        return _torch_path(q, kv, mask)
+        return torch_attention(q, kv, mask)
     m = mask if mask is not None else torch.empty(0, dtype=torch.float32)
     e = torch.empty(0, dtype=torch.float32)
     out, _, lse = mod.qattn_forward(q.float().contiguous(), *_kernel_history(kv), m, _n_split(B, Hkv, T),

@@ -8,9 +8,16 @@ online-softmax update (flash attention: running max m, running sum l, rescale ac
 by exp(m_old − m_new)) and accumulates ``p · v`` with the value rows decoded the same
 way. Splits are merged with their log-sum-exp at the end. Nothing the size of the
 history is ever materialized in float.
+
+Code rows are unpacked as the side's :class:`~lessmem.formats.kvlayout.KVLayout` says:
+the caller passes each side's packing (its id in ``PACKING_IDS``, compiled into the
+source as the constants ``PACK_SPLIT``/``PACK_STREAM``), bits, token and channel groups,
+constant zero and level table.
 """
 
-SOURCE = r"""
+PACKING_IDS = {"split": 0, "stream": 1}  # KVLayout.packing -> the id the kernel receives
+
+_SOURCE = r"""
 #include <torch/extension.h>
 #include <cmath>
 #include <cstring>
@@ -22,6 +29,7 @@ SOURCE = r"""
 
 namespace {
 constexpr int TILE = 32;
+constexpr int PACK_SPLIT = @PACK_SPLIT@, PACK_STREAM = @PACK_STREAM@;  // KVLayout.packing ids
 const float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (softmax after max subtraction), vectorizable: 2^n · p(r) with
@@ -47,36 +55,44 @@ struct QSide {
   std::vector<const uint8_t*> codes; std::vector<const at::Half*> scale;
   std::vector<const uint8_t*> zp; std::vector<int64_t> T, R;  // per segment: tokens, scale rows
   const float* lut;
-  int bits, tg, dg, rb;  // rb: bytes per row
+  int packing, bits, tg, dg, rb;  // rb: bytes per row
   float zc;              // constant zero (symmetric int) when zp is absent
   int64_t srow;          // scale entries per scale row = D / dg
   int64_t seg;           // tokens per segment (all but the last)
   bool has_zp;
 };
 
-inline void unpack_row(const uint8_t* p, int bits, int D, float* out) {
-  if (bits == 8) {
+// One token's D codes, as floats, from its packed row (see formats/kvlayout.py).
+inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* out) {
+  if (packing == PACK_SPLIT) {  // byte j: codes of channels j, j + D/p, ... (p = 8 / bits)
+    if (bits == 8) {
 #pragma omp simd
-    for (int d = 0; d < D; ++d) out[d] = (float)p[d];
-    return;
-  }
-  if (bits == 4) {
-    const int h = D / 2;
-#pragma omp simd
-    for (int j = 0; j < h; ++j) { out[j] = (float)(p[j] & 15); out[j + h] = (float)(p[j] >> 4); }
-    return;
-  }
-  if (bits == 2) {
-    const int q = D / 4;
-#pragma omp simd
-    for (int j = 0; j < q; ++j) {
-      const uint8_t b = p[j];
-      out[j] = (float)(b & 3); out[j + q] = (float)((b >> 2) & 3);
-      out[j + 2 * q] = (float)((b >> 4) & 3); out[j + 3 * q] = (float)(b >> 6);
+      for (int d = 0; d < D; ++d) out[d] = (float)p[d];
+      return;
     }
+    if (bits == 4) {
+      const int h = D / 2;
+#pragma omp simd
+      for (int j = 0; j < h; ++j) { out[j] = (float)(p[j] & 15); out[j + h] = (float)(p[j] >> 4); }
+      return;
+    }
+    if (bits == 2) {
+      const int q = D / 4;
+#pragma omp simd
+      for (int j = 0; j < q; ++j) {
+        const uint8_t b = p[j];
+        out[j] = (float)(b & 3); out[j + q] = (float)((b >> 2) & 3);
+        out[j + 2 * q] = (float)((b >> 4) & 3); out[j + 3 * q] = (float)(b >> 6);
+      }
+      return;
+    }
+    const int per = 8 / bits, n = D / per;  // any other bits dividing 8
+    const unsigned m = (1u << bits) - 1;
+    for (int i = 0; i < per; ++i)
+      for (int j = 0; j < n; ++j) out[i * n + j] = (float)((p[j] >> (bits * i)) & m);
     return;
   }
-  const unsigned mask = (1u << bits) - 1;  // generic little-endian bit stream (3 bits)
+  const unsigned mask = (1u << bits) - 1;  // PACK_STREAM: little-endian bit stream
   for (int d = 0; d < D; ++d) {
     const int bit = d * bits, byte = bit >> 3, sh = bit & 7;
     unsigned w = p[byte];
@@ -110,7 +126,7 @@ struct RowDecoder {
     float* __restrict__ cp = c.data();
     if (t < s0 || t >= s1) locate(t);
     const int64_t lt = t - s0;
-    unpack_row(cb + lt * q.rb, q.bits, D, cp);
+    unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
     const int64_t g = lt / q.tg, gg = t / q.tg;  // group within the segment / overall
     const int ng = D / q.dg;
@@ -143,7 +159,7 @@ struct RowDecoder {
 // codes[i] [B, H, T_i, rb] uint8, scale[i] fp16 and zp[i] uint8 (empty list: none)
 // [B, H, ceil(T_i / tg), D / dg]; all contiguous (checked by the Python caller).
 QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scale,
-                const std::vector<torch::Tensor>& zp, const torch::Tensor& lut, int64_t bits,
+                const std::vector<torch::Tensor>& zp, const torch::Tensor& lut, int64_t packing, int64_t bits,
                 int64_t tg, int64_t dg, double zc, int D, int64_t seg, std::vector<torch::Tensor>& keep) {
   QSide s;
   s.has_zp = !zp.empty();
@@ -163,7 +179,8 @@ QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch
     s.R.push_back(scale[i].size(2));
   }
   s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
-  s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
+  TORCH_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
+  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
   s.rb = (int)codes[0].size(3); s.srow = D / dg; s.seg = seg;
   return s;
 }
@@ -257,9 +274,9 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
 // The history of each side is a list of segments (see QSide); seg = tokens per segment.
 std::vector<torch::Tensor> qattn_forward(
     torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> ks,
-    std::vector<torch::Tensor> kz, torch::Tensor klut, int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
-    std::vector<torch::Tensor> vc, std::vector<torch::Tensor> vs, std::vector<torch::Tensor> vz,
-    torch::Tensor vlut, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, int64_t seg,
+    std::vector<torch::Tensor> kz, torch::Tensor klut, int64_t kpack, int64_t kbits, int64_t ktg, int64_t kdg,
+    double kzc, std::vector<torch::Tensor> vc, std::vector<torch::Tensor> vs, std::vector<torch::Tensor> vz,
+    torch::Tensor vlut, int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, int64_t seg,
     torch::Tensor mask, int64_t nsplit,
     torch::Tensor qf, torch::Tensor kfp, torch::Tensor vfp, torch::Tensor maskf, bool causal) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
@@ -269,8 +286,8 @@ std::vector<torch::Tensor> qattn_forward(
   const int64_t rows = (Hq / Hkv) * Tq;
   std::vector<torch::Tensor> keep;
   keep.reserve(3 * (kc.size() + vc.size()));  // no reallocation: QSide holds raw pointers
-  const QSide K = make_side(kc, ks, kz, klut, kbits, ktg, kdg, kzc, (int)D, seg, keep);
-  const QSide V = make_side(vc, vs, vz, vlut, vbits, vtg, vdg, vzc, (int)D, seg, keep);
+  const QSide K = make_side(kc, ks, kz, klut, kpack, kbits, ktg, kdg, kzc, (int)D, seg, keep);
+  const QSide V = make_side(vc, vs, vz, vlut, vpack, vbits, vtg, vdg, vzc, (int)D, seg, keep);
   const float* qp = q.data_ptr<float>();
   const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
   FpPart F;
@@ -321,3 +338,6 @@ std::vector<torch::Tensor> qattn_forward(
   return {out_h, out_f, lse};
 }
 """
+
+SOURCE = (_SOURCE.replace("@PACK_SPLIT@", str(PACKING_IDS["split"]))
+          .replace("@PACK_STREAM@", str(PACKING_IDS["stream"])))

@@ -11,7 +11,7 @@ The ``"lessmem"`` function computes attention straight from a lessmem cache laye
 model is switched) and otherwise falls through to transformers' SDPA, so a switched
 model still works with ``DynamicCache`` or no cache at all. A :class:`KVCache` notices
 the switch by reading the model config it was built from (``_attn_implementation``):
-without ``enable`` it returns dequantized tensors (the reference path), which is
+without ``enable`` it returns dequantized tensors (the dequantized path), which is
 correct with any attention implementation but inflates the history each step.
 
 Example:

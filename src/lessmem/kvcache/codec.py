@@ -1,18 +1,16 @@
-"""Encode/decode one chunk of keys or values ``[B, H, T, D]`` in the cache's block layout.
+"""Encode one chunk of keys or values ``[B, H, T, D]`` into the cache's stored layout.
 
-Layout (what the fused attention kernel reads, see ``lessmem.kernels.attention``):
+Each KV format is one entry of :data:`FORMATS`: its :class:`~lessmem.formats.kvlayout.KVLayout`
+fields (zero point or constant zero, level table) and its quantizer (how a group of
+values becomes a scale, codes and maybe a zero point). ``kv_layout(spec, head_dim)``
+builds the layout every reader uses (the attention kernels, their torch fallback, the
+test oracle); ``encode`` quantizes and packs with it. Adding a format means one entry
+here (plus its name in ``config.FORMATS``) and, where its layout needs it, kernel code.
 
-- ``codes``  uint8 ``[B, H, T, D·bits/8]``, one packed row per token. For 2/4/8 bits
-  the row is *split-packed*: byte ``j`` holds the codes of channels ``j, j + D/p,
-  j + 2D/p, …`` (p = 8/bits codes per byte, lowest bits first), so unpacking is a
-  contiguous, vectorizable loop. 3-bit rows are a little-endian bit stream
-  (``formats.packing.pack_bits``).
-- ``scale``  fp16 ``[B, H, T/tg, D/dg]`` and ``zero_point`` uint8 of the same shape
-  (asymmetric formats only), where (tg, dg) is the (tokens, channels) group shape.
-- a lookup table ``lut`` float32 ``[2^bits]`` maps a code to its level, so every format
-  dequantizes as ``x = scale · (lut[c] − z)`` (z = zero point, or 0):
-  int (symmetric): lut[c] = c − 2^(b−1); uint: lut[c] = c; fp8: the fp8 value of the
-  byte; lm: Lloyd-Max levels of a unit Gaussian (scale = RMS of the group).
+Every format dequantizes as ``x = scale · (lut[c] − z)`` (z = zero point, or a constant):
+int (symmetric): z = 2^(b−1), no table; uint: a uint8 zero point per group; fp8: the
+table holds the fp8 value of each byte; lm: the table holds the Lloyd-Max levels of a
+unit Gaussian (``formats.codebook.gaussian_codebook``) and the scale is the group's RMS.
 
 Example:
     >>> import torch
@@ -23,7 +21,8 @@ Example:
     >>> enc = encode(x, spec)
     >>> tuple(enc.codes.shape), tuple(enc.scale.shape)
     ((1, 2, 16, 32), (1, 2, 2, 64))
-    >>> bool((decode(enc, spec, 64) - x).abs().max() < 0.5)
+    >>> lay = kv_layout(spec, 64)
+    >>> bool((lay.dequantize(enc.codes, enc.scale, enc.zero_point) - x).abs().max() < 0.5)
     True
 """
 
@@ -32,11 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
+from ..formats.codebook import assign, gaussian_codebook
 from ..formats.integer import choose_qparams, quantize_grouped
-from ..formats.packing import pack_bits, unpack_bits
+from ..formats.kvlayout import KVLayout
 from .config import KVTensorConfig
 
 _FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
@@ -44,50 +45,62 @@ _FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 
 @dataclass(frozen=True)
 class Encoded:
-    """Codes, scale and (optional) zero point of a chunk, in the block layout."""
+    """Codes, scale and (optional) zero point of a chunk, in the stored layout."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
 
-
-@lru_cache(maxsize=None)
-def lloyd_max_levels(bits: int) -> tuple[float, ...]:
-    """Lloyd-Max reconstruction levels for a unit Gaussian (MSE-optimal scalar quantizer).
-
-    Alternates centroid (conditional mean of each cell) and midpoint (cell edges) steps
-    on a fine grid until the levels settle.
-    """
-    n = 2**bits
-    grid = torch.linspace(-6, 6, 24001, dtype=torch.float64)
-    pdf = torch.exp(-0.5 * grid**2)
-    lv = torch.linspace(-2.0, 2.0, n, dtype=torch.float64) * (1 + bits / 4)
-    for _ in range(300):
-        edges = (lv[1:] + lv[:-1]) / 2
-        idx = torch.bucketize(grid, edges)
-        num = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, grid * pdf)
-        den = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, pdf)
-        lv = num / den
-    return tuple(float(v) for v in lv)
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The stored parts by name (``KVLayout.parts``): zero point only when present."""
+        out = {"codes": self.codes, "scale": self.scale}
+        if self.zero_point is not None:
+            out["zero_point"] = self.zero_point
+        return out
 
 
-@lru_cache(maxsize=None)
-def _lut_cpu(fmt: str, bits: int) -> torch.Tensor:
-    if fmt == "int":
-        return torch.arange(2**bits, dtype=torch.float32) - 2 ** (bits - 1)
-    if fmt == "uint":
-        return torch.arange(2**bits, dtype=torch.float32)
-    if fmt in _FP8:
-        v = torch.arange(256, dtype=torch.uint8).view(_FP8[fmt]).float()
-        return torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-    if fmt == "lm":
-        return torch.tensor(lloyd_max_levels(bits), dtype=torch.float32)
-    raise ValueError(f"format {fmt!r} has no lookup table")
+# ---- per-format quantizers: grouped view [G, E] -> (codes uint8 [G, E], scale [G], zp or None)
+def _affine(xg, spec: KVTensorConfig, lay: KVLayout):
+    scale, zp = choose_qparams(xg, spec.bits, not lay.has_zero_point, spec.clip_ratio, lay.SCALE_DTYPE)
+    return quantize_grouped(xg, scale, zp, spec.bits), scale, zp
 
 
-def lut(spec: KVTensorConfig, device=None) -> torch.Tensor:
-    t = _lut_cpu(spec.format, spec.bits)
-    return t if device is None or t.device == torch.device(device) else t.to(device)
+def _fp8(xg, spec: KVTensorConfig, lay: KVLayout):
+    dtype = _FP8[spec.format]
+    fmax = torch.finfo(dtype).max
+    amax = xg.abs().amax(dim=1) * spec.clip_ratio
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).to(lay.SCALE_DTYPE)
+    y = (xg / scale.float().unsqueeze(1)).clamp(-fmax, fmax)
+    return y.to(dtype).view(torch.uint8), scale, None
+
+
+def _lloyd_max(xg, spec: KVTensorConfig, lay: KVLayout):  # nearest level of x / rms
+    rms = xg.pow(2).mean(dim=1).sqrt() * spec.clip_ratio
+    scale = torch.where(rms > 0, rms, torch.ones_like(rms)).to(lay.SCALE_DTYPE)
+    return assign(xg / scale.float().unsqueeze(1), lay.lut(xg.device)), scale, None
+
+
+def _fp8_levels(fmt: str, bits: int) -> dict:
+    v = torch.arange(256, dtype=torch.uint8).view(_FP8[fmt]).float()
+    return {"levels": tuple(torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0).tolist())}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One KV format: the layout fields it stores (``layout(fmt, bits)`` -> KVLayout keyword
+    arguments) and its quantizer ``quantize(xg, spec, layout)``."""
+
+    layout: Callable[[str, int], dict]
+    quantize: Callable
+
+
+FORMATS: dict[str, KVFormat] = {
+    "int": KVFormat(lambda fmt, bits: {"zero_const": 2.0 ** (bits - 1)}, _affine),
+    "uint": KVFormat(lambda fmt, bits: {"has_zero_point": True}, _affine),
+    "fp8-e4m3": KVFormat(_fp8_levels, _fp8),
+    "fp8-e5m2": KVFormat(_fp8_levels, _fp8),
+    "lm": KVFormat(lambda fmt, bits: {"levels": tuple(gaussian_codebook(bits).tolist())}, _lloyd_max),
+}
 
 
 def check_head_dim(spec: KVTensorConfig, head_dim: int) -> None:
@@ -101,82 +114,45 @@ def check_head_dim(spec: KVTensorConfig, head_dim: int) -> None:
         )
 
 
-def _pack_rows(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [B, H, T, D] -> packed rows [B, H, T, D·bits/8] (split layout)."""
-    B, H, T, D = u.shape
-    if bits == 8:
-        return u.contiguous()
-    if bits in (2, 4):  # byte j = Σ_i code[i·D/p + j] << (bits·i)
-        per, n = 8 // bits, D // (8 // bits)
-        out = u[..., :n].clone()
-        for i in range(1, per):
-            out |= u[..., i * n:(i + 1) * n] << (bits * i)
-        return out
-    return pack_bits(u.reshape(-1), bits).view(B, H, T, D * bits // 8)
+@lru_cache(maxsize=None)
+def kv_layout(spec: KVTensorConfig, head_dim: int) -> KVLayout:
+    """The stored layout of a quantized side (``spec``) at ``head_dim`` (one shared object)."""
+    if not spec.quantized:
+        raise ValueError(f"format {spec.format!r} is stored in full precision and has no KV layout; "
+                         f"allowed: {', '.join(FORMATS)}")
+    check_head_dim(spec, head_dim)
+    tg, dg = spec.group_shape(head_dim)
+    fields = FORMATS[spec.format].layout(spec.format, spec.bits)
+    return KVLayout(bits=spec.bits, head_dim=head_dim, channel_group=dg, token_group=tg, **fields)
 
 
-def _unpack_rows(c: torch.Tensor, bits: int, D: int) -> torch.Tensor:
-    B, H, T, _ = c.shape
-    if bits == 8:
-        return c
-    n = B * H * T * D
-    if bits in (2, 4):
-        per = 8 // bits
-        inter = unpack_bits(c.reshape(-1), bits, n).view(B, H, T, D // per, per)
-        return inter.transpose(-1, -2).reshape(B, H, T, D)
-    return unpack_bits(c.reshape(-1), bits, n).view(B, H, T, D)
+def encode(x: torch.Tensor, spec: KVTensorConfig, layout: KVLayout | None = None) -> Encoded:
+    """Quantize a chunk ``x [B, H, T, D]`` (T a multiple of the token group).
 
-
-def encode(x: torch.Tensor, spec: KVTensorConfig) -> Encoded:
-    """Quantize a chunk ``x [B, H, T, D]`` (T a multiple of the token group)."""
+    ``layout``: where the codes go (default ``kv_layout(spec, D)``); another layout must
+    agree with the format on bits, groups, zero point and levels and may differ only in
+    packing (``ValueError`` otherwise)."""
     B, H, T, D = x.shape
-    tg, dg = spec.group_shape(D)
+    own = kv_layout(spec, D)
+    lay = own if layout is None else layout
+    if lay is not own and (lay.bits, lay.head_dim, lay.token_group, lay.channel_group, lay.has_zero_point,
+                           lay.zero_const, lay.levels) != (own.bits, own.head_dim, own.token_group,
+                                                           own.channel_group, own.has_zero_point,
+                                                           own.zero_const, own.levels):
+        raise ValueError(f"layout {lay!r} does not store format {spec.format}{spec.bits} "
+                         f"(expected {own!r} up to packing)")
+    tg, dg = lay.token_group, lay.channel_group
+    if T % tg:
+        raise ValueError(f"chunk of {T} tokens; allowed: a multiple of the token group {tg}")
     xf = x.float()
-    if spec.per_channel:  # groups: (B, H, T/tg, D) of tg tokens each
+    if tg > 1:  # per-channel groups: (B, H, T/tg, D) of tg tokens each
         xg = xf.view(B, H, T // tg, tg, D).transpose(3, 4).reshape(-1, tg)
-    else:  # groups: (B, H, T, D/dg) of dg channels each
+    else:  # per-token groups: (B, H, T, D/dg) of dg channels each
         xg = xf.reshape(-1, dg)
-    bits, fmt = spec.bits, spec.format
-    zp = None
-    if fmt in ("int", "uint"):
-        scale, zp = choose_qparams(xg, bits, fmt == "int", spec.clip_ratio, torch.float16)
-        u = quantize_grouped(xg, scale, zp, bits)
-    elif fmt in _FP8:
-        fmax = torch.finfo(_FP8[fmt]).max
-        amax = xg.abs().amax(dim=1) * spec.clip_ratio
-        scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).to(torch.float16)
-        y = (xg / scale.float().unsqueeze(1)).clamp(-fmax, fmax)
-        u = y.to(_FP8[fmt]).view(torch.uint8)
-    else:  # "lm": nearest Lloyd-Max level of x / rms
-        rms = xg.pow(2).mean(dim=1).sqrt() * spec.clip_ratio
-        scale = torch.where(rms > 0, rms, torch.ones_like(rms)).to(torch.float16)
-        levels = lut(spec, x.device)
-        edges = (levels[1:] + levels[:-1]) / 2
-        u = torch.bucketize(xg / scale.float().unsqueeze(1), edges).to(torch.uint8)
-    if spec.per_channel:
+    u, scale, zp = FORMATS[spec.format].quantize(xg, spec, lay)
+    if tg > 1:
         u = u.view(B, H, T // tg, D, tg).transpose(3, 4).reshape(B, H, T, D)
-        qshape = (B, H, T // tg, D)
     else:
         u = u.view(B, H, T, D)
-        qshape = (B, H, T, D // dg)
-    codes = _pack_rows(u, bits)
-    return Encoded(codes, scale.view(qshape), zp.view(qshape) if zp is not None else None)
-
-
-def decode(enc: Encoded, spec: KVTensorConfig, head_dim: int) -> torch.Tensor:
-    """float32 ``[B, H, T, D]`` from an encoded chunk (the slow, obvious path)."""
-    D = head_dim
-    tg, dg = spec.group_shape(D)
-    c = _unpack_rows(enc.codes, spec.bits, D).long()
-    x = lut(spec, c.device)[c]
-    s = enc.scale.float()
-    z = enc.zero_point.float() if enc.zero_point is not None else None
-    if tg > 1:
-        s = s.repeat_interleave(tg, dim=2)
-        z = z.repeat_interleave(tg, dim=2) if z is not None else None
-    if dg > 1:
-        s = s.repeat_interleave(dg, dim=3)
-        z = z.repeat_interleave(dg, dim=3) if z is not None else None
-    if z is not None:
-        x = x - z
-    return x * s
+    qshape = lay.part_shape("scale", B, H, T)
+    return Encoded(lay.pack(u), scale.view(qshape), zp.view(qshape) if zp is not None else None)

@@ -28,7 +28,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.attention import QuantKV, QuantSide
 from .block import KVBlock
-from .codec import check_head_dim, encode, lut
+from .codec import encode, kv_layout
 from .config import KVConfig, KVTensorConfig
 from .view import LayerView, _rot_matrix
 
@@ -36,13 +36,10 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _side(spec: KVTensorConfig, codes, scale, zp, head_dim) -> QuantSide:
-    """Kernel view of one side: int/uint dequantize arithmetically (x = s·(c − z)),
-    fp8 and codebook formats through their level table (x = s·lut[c])."""
-    tg, dg = spec.group_shape(head_dim)
-    if spec.format in ("int", "uint"):
-        zc = 2.0 ** (spec.bits - 1) if spec.format == "int" else 0.0
-        return QuantSide(codes, scale, zp, None, spec.bits, tg, dg, zc)
-    return QuantSide(codes, scale, None, lut(spec, codes.device), spec.bits, tg, dg, 0.0)
+    """Kernel view of one side's stored parts, laid out as ``kv_layout(spec, head_dim)``
+    says (a zero point is kept only when the layout stores one)."""
+    layout = kv_layout(spec, head_dim)
+    return QuantSide(codes, scale, zp if layout.has_zero_point else None, layout)
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -80,8 +77,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
-        check_head_dim(self.kspec, self.head_dim)
-        check_head_dim(self.vspec, self.head_dim)
+        if self.quantized:  # the stored layout of each side (raises when head_dim does not fit)
+            self.layouts = {"k": kv_layout(self.kspec, self.head_dim), "v": kv_layout(self.vspec, self.head_dim)}
         wd = self.config.window_dtype
         self.store_dtype = self.dtype if (wd == "model" or not self.quantized) else _DTYPES[wd]
         empty = key_states.new_zeros((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.store_dtype)
@@ -141,13 +138,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             kf = kf @ _rot_matrix(self.rot_k, kf.device)
         if self.rot_v is not None:
             vf = vf @ _rot_matrix(self.rot_v, vf.device)
-        ek, ev = encode(kf, self.kspec), encode(vf, self.vspec)
-        out = {"k_codes": ek.codes, "k_scale": ek.scale, "v_codes": ev.codes, "v_scale": ev.scale}
-        if ek.zero_point is not None:
-            out["k_zero_point"] = ek.zero_point
-        if ev.zero_point is not None:
-            out["v_zero_point"] = ev.zero_point
-        return out
+        encoded = (("k", encode(kf, self.kspec)), ("v", encode(vf, self.vspec)))
+        # history part names: "k_codes", "k_scale", "k_zero_point" (if stored), "v_..."
+        return {f"{side}_{part}": t for side, enc in encoded for part, t in enc.parts().items()}
 
     def _append_history(self, new: dict[str, torch.Tensor]) -> None:
         """Append encoded tokens (codes/scales/zero points, tokens along dim 2)."""
@@ -170,16 +163,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         """The history as immutable blocks of ``block_size`` tokens (views, no copy)."""
         if self.history is None:
             return []
-        B, D = self.config.block_size, self.head_dim
-        ktg, _ = self.kspec.group_shape(D)
-        vtg, _ = self.vspec.group_shape(D)
+        B = self.config.block_size
         out = []
         for i in range(self.n_history // B):
             t0, t1 = i * B, (i + 1) * B
             parts = {}
             for name, t in self.history.items():
-                tg = ktg if name.startswith("k_") and "codes" not in name else (
-                    vtg if name.startswith("v_") and "codes" not in name else 1)
+                side, part = name.split("_", 1)
+                tg = self.layouts[side].tokens_per_row(part)
                 parts[name] = t[:, :, t0 // tg:t1 // tg]
             out.append(KVBlock(self.config.sinks + t0, B, parts))
         return out

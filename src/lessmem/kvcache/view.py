@@ -13,7 +13,8 @@ Chronological order of the keys/values: ``[sinks | quantized history | window | 
 Rotation: keys are stored as R·k, so q·k = (R q)·(R k) and the kernel gets R q; values
 stored as R·v give Σ p (R v) = R (Σ p v), un-rotated once on the output.
 
-``LayerView.materialize`` is the reference path: dequantize everything, concatenate.
+``LayerView.materialize`` is the dequantized path (what ``KVCache(attention="reference")``
+and unswitched models get): dequantize everything with the layouts, concatenate.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.attention import QuantKV, fused_attention, quantized_attention
-from ..kernels.attention_reference import dequantize_side
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
@@ -85,10 +85,9 @@ class LayerView:
         return k, v
 
     def dequantized_history(self, dtype=torch.float32):
-        """Keys and values of the history in float [B, H, Nh, D] (reference path only)."""
-        D = self.current[0].shape[-1]
-        k = dequantize_side(self.history.keys, D)
-        v = dequantize_side(self.history.values, D)
+        """Keys and values of the history in float [B, H, Nh, D] (dequantized path only)."""
+        k = self.history.keys.dequantize()
+        v = self.history.values.dequantize()
         if self.rot_k is not None:
             k = self.rot_k.inverse(k)
         if self.rot_v is not None:
@@ -96,7 +95,7 @@ class LayerView:
         return k.to(dtype), v.to(dtype)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference path: all keys/values in order, in the current tokens' dtype."""
+        """Dequantized path: all keys/values in order, in the current tokens' dtype."""
         dtype = self.current[0].dtype
         ks, vs = [], []
         for part in (self.sinks, "h", self.window, self.current):
