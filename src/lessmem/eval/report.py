@@ -1,4 +1,5 @@
-"""Presenting evaluation results: a rich table, JSON rows, a Δppl-vs-bits plot.
+"""Presenting evaluation results: a rich table, JSON rows, a Δppl-vs-bits plot; and what
+``lessmem eval`` says on stderr while it works (:class:`Progress`, :func:`quiet_transformers`).
 
 Example:
     >>> rows = [{"config": "dynamic", "ppl": 10.0, "delta_ppl_pct": 0.0, "kld": 0.0,
@@ -12,12 +13,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 MIB = 1024 * 1024
 JSON_KEYS = ("config", "kind", "ppl", "delta_ppl_pct", "kld", "top1", "k_bits", "v_bits",
              "kv_bytes", "fp16_kv_bytes", "compression", "tok_per_s", "speed_vs_baseline",
-             "tokens_scored", "model", "text", "windows", "window_len", "chunk", "prefill")
+             "first_use_s", "tokens_scored", "model", "text", "windows", "window_len", "chunk",
+             "prefill", "warmup")
 
 
 def _clean(v):
@@ -55,8 +61,49 @@ def _f(v, fmt):
     return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, fmt)
 
 
+# column -> what it means; the arrow says which way is better (none: a property, not a score)
+COLUMNS = {
+    "config": "the KV cache: DynamicCache (the unquantized baseline, first row), a lessmem preset or a peer",
+    "K/V bits": "bits per key / value element over the quantized tokens, scales and zero points "
+                "included (unquantized: the bits held)",
+    "KV MiB ↓": "bytes the cache holds after a full window",
+    "x fp16 ↑": "how many times smaller than an fp16 cache of the same tokens",
+    "ppl ↓": "perplexity of the scored tokens",
+    "Δppl % ↓": "perplexity change vs the baseline (0 = nothing lost)",
+    "KLD ↓": "KL divergence of the next-token distribution from the baseline's (nats; 0 = the same)",
+    "top-1 ↑": "how often the most likely next token is the baseline's",
+    "tok/s ↑": "tokens per second fed in chunks after the prefill, timed after a warm-up",
+    "x speed ↑": "tok/s divided by the baseline's",
+    "first use s": "one-time cost of a config's first use (kernels built or loaded), paid in the "
+                   "warm-up and not in tok/s",
+    "passkey ↑": "passkey prompts whose hidden number the model repeated",
+}
+
+
+def _cells(r: dict, passkey: dict | None, first_use: bool) -> list[str]:
+    cells = [
+        r["config"],
+        f"{_f(r['k_bits'], '.2f')}/{_f(r['v_bits'], '.2f')}",
+        _f(r["kv_bytes"] / MIB, ".2f"),
+        _f(r["compression"], ".2f"),
+        _f(r["ppl"], ".3f"),
+        _f(r["delta_ppl_pct"], "+.2f"),
+        _f(r["kld"], ".5f"),
+        _f(100 * r["top1"], ".1f") + "%",
+        _f(r["tok_per_s"], ".1f"),
+        _f(r.get("speed_vs_baseline"), ".2f"),
+    ]
+    if first_use:
+        cells.append(_f(r.get("first_use_s"), ".2f"))
+    if passkey:
+        p = passkey.get(r["config"])
+        cells.append(f"{p['found']}/{p['trials']}" if p else "—")
+    return cells
+
+
 def print_table(rows: list[dict], passkey: dict | None = None, console=None) -> None:
-    """A rich table: bits, KV MiB and compression, ppl, Δ%, KLD, top-1, tok/s (+ passkey)."""
+    """A rich table (bits, KV MiB and compression, ppl, Δ%, KLD, top-1, tok/s, first use,
+    passkey), then a legend: which way each score is better and what each column means."""
     from rich.console import Console
     from rich.table import Table
 
@@ -67,33 +114,20 @@ def print_table(rows: list[dict], passkey: dict | None = None, console=None) -> 
     r0 = rows[0]
     title = (f"{r0['model']} on {r0['text']}: {r0['windows']} x {r0['window_len']} tokens, "
              f"prefill {r0['prefill']}, chunk {r0['chunk']}")
-    t = Table(title=title, caption=(
-        "K/V bits: per element over the quantized tokens, scales and zero points included "
-        "(unquantized: the bits held). KV MiB: bytes held after the full window. "
-        "KLD and top-1 vs DynamicCache. tok/s: chunked decode."))
-    for col in ("config", "K/V bits", "KV MiB", "x fp16", "ppl", "Δppl %", "KLD", "top-1",
-                "tok/s", "x speed"):
+    first_use = any(isinstance(r.get("first_use_s"), float) and math.isfinite(r["first_use_s"])
+                    for r in rows)
+    cols = [c for c in COLUMNS if (c != "first use s" or first_use) and (c != "passkey ↑" or passkey)]
+    t = Table(title=title)
+    for col in cols:
         t.add_column(col, justify="left" if col == "config" else "right")
-    if passkey:
-        t.add_column("passkey", justify="right")
     for r in rows:
-        cells = [
-            r["config"],
-            f"{_f(r['k_bits'], '.2f')}/{_f(r['v_bits'], '.2f')}",
-            _f(r["kv_bytes"] / MIB, ".2f"),
-            _f(r["compression"], ".2f"),
-            _f(r["ppl"], ".3f"),
-            _f(r["delta_ppl_pct"], "+.2f"),
-            _f(r["kld"], ".5f"),
-            _f(100 * r["top1"], ".1f") + "%",
-            _f(r["tok_per_s"], ".1f"),
-            _f(r.get("speed_vs_baseline"), ".2f"),
-        ]
-        if passkey:
-            p = passkey.get(r["config"])
-            cells.append(f"{p['found']}/{p['trials']}" if p else "—")
-        t.add_row(*cells)
+        t.add_row(*_cells(r, passkey, first_use))
     console.print(t)
+    console.print("↓ lower is better, ↑ higher is better; every score is measured against "
+                  "DynamicCache on the same tokens.", markup=False, highlight=False)
+    width = max(len(c) for c in cols)
+    for c in cols[1:]:
+        console.print(f"  {c:<{width}}  {COLUMNS[c]}", markup=False, highlight=False, soft_wrap=True)
 
 
 def plot(rows: list[dict], path: str | Path) -> Path:
@@ -131,3 +165,92 @@ def plot(rows: list[dict], path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------- console
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' loading noise (the ``Loading weights`` tqdm bar, hub
+    download bars, info and warning logs) for a command-line run. An explicit
+    ``TRANSFORMERS_VERBOSITY`` or ``HF_HUB_DISABLE_PROGRESS_BARS`` in the environment
+    is kept."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging
+
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") != "0":
+        logging.disable_progress_bar()
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:
+        logging.set_verbosity_error()
+
+
+class Progress:
+    """What a long command says on stderr while it works, readable also in a log file.
+
+    ``say(msg)`` writes one line per stage, with the seconds since the start::
+
+        [eval]   4.1s loading smollm2-135m
+
+    Inside ``with progress.steps("window 1/1"):`` the object is a ``progress(done,
+    total)`` callback: on a terminal a rich bar, elsewhere (a pipe, a file, CI) a line
+    at each quarter of the steps. ``enabled=False`` says nothing.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> p = Progress(stream=out)
+        >>> with p.steps("perplexity"):
+        ...     for i in range(1, 9):
+        ...         p(i, 8)
+        >>> [line.split("s ", 1)[1] for line in out.getvalue().splitlines()]
+        ['perplexity: 25% (2/8 steps)', 'perplexity: 50% (4/8 steps)', 'perplexity: 75% (6/8 steps)', 'perplexity: 100% (8/8 steps)']
+    """
+
+    def __init__(self, enabled: bool = True, stream=None, name: str = "eval"):
+        self.enabled, self.name = enabled, name
+        self.stream = sys.stderr if stream is None else stream
+        self.t0 = time.perf_counter()
+        self._bar = self._task = None
+        self._label, self._quarter = "", 1
+
+    def say(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        line = f"[{self.name}] {time.perf_counter() - self.t0:6.1f}s {msg}"
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    @contextmanager
+    def steps(self, label: str):
+        self._label, self._quarter, self._task = label, 1, None
+        isatty = getattr(self.stream, "isatty", lambda: False)
+        if not (self.enabled and isatty()):
+            yield self
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
+
+        self._bar = Bar(TextColumn("{task.description}"), BarColumn(),
+                        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                        TimeRemainingColumn(), console=Console(file=self.stream), transient=True)
+        try:
+            with self._bar:
+                yield self
+        finally:
+            self._bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total <= 0:
+            return
+        if self._bar is not None:
+            if self._task is None:
+                self._task = self._bar.add_task(self._label, total=total)
+            self._bar.update(self._task, completed=done, total=total)
+            return
+        q = min(4, 4 * done // total)
+        if q >= self._quarter:
+            self._quarter = q + 1
+            self.say(f"{self._label}: {25 * q}% ({done}/{total} steps)")
