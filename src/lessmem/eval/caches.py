@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from lessmem.kvcache.cache import cache_kwarg  # noqa: F401  (re-exported for eval callers)
+from lessmem.kvcache.shape import head_dim
 
 BASELINE = "dynamic"
 PEERS = {
@@ -327,7 +328,7 @@ def memory_at_length(spec: CacheSpec, model_config, n_tokens: int, chunk: int = 
         raise ValueError(f"n_tokens={n_tokens!r}; allowed: an integer >= 1")
     cfg = model_config
     H = cfg.num_key_value_heads
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    D = head_dim(cfg)
     cache = spec.make(cfg)
     g = torch.Generator().manual_seed(seed)
     for s in range(0, n_tokens, chunk):

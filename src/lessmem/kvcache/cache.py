@@ -24,6 +24,7 @@ from .attention import is_enabled
 from .config import KVConfig
 from .layer import QuantizedKVLayer
 from .presets import resolve
+from .shape import head_dim as model_head_dim
 
 ATTENTION_MODES = ("auto", "fused", "reference")
 
@@ -66,7 +67,7 @@ class KVCache(Cache):
         self.model_config = model_config
         self.attention = attention
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        head_dim = model_head_dim(text)
         cfg = self.kv_config
         self.rotations = (
             HadamardRotation(head_dim, seed=cfg.rotation_seed) if cfg.rotate_keys else None,
