@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 
 from lessmem.kvcache import PRESETS, KVCache
 from lessmem.kvcache.block import KVBlock
+from lessmem.offload.serialize import pack_block, unpack_block
 from lessmem.plan.kv import kv_bytes
 
 
@@ -99,11 +100,14 @@ def test_block_bytes_round_trip(llama):
     cache = KVCache(llama.config, PRESETS["best-4"].replace(window=16))
     run_chunks(llama, ids, cache, [120])
     (block,) = cache.layers[0].blocks()
-    again = KVBlock.from_bytes(block.to_bytes())
+    # a block's parts in the offload tiers' checksummed format (what a disk/remote tier stores)
+    blob = pack_block(block.tensors(), meta={"start": block.start, "n_tokens": block.n_tokens})
+    tensors, meta = unpack_block(blob)
+    again = KVBlock(int(meta["start"]), int(meta["n_tokens"]), tensors)
     assert again.start == block.start == 4 and again.n_tokens == 64
     assert again.nbytes == block.nbytes > 0
     assert all(torch.equal(again.tensors()[k], v) for k, v in block.tensors().items())
-    blob = bytearray(block.to_bytes())  # the offload tiers' checksummed format: a flipped byte is caught
+    blob = bytearray(blob)  # a flipped byte is caught
     blob[-1] ^= 0xFF
     with pytest.raises(ValueError, match="checksum"):
-        KVBlock.from_bytes(bytes(blob))
+        unpack_block(bytes(blob))

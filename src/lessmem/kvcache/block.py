@@ -1,17 +1,20 @@
 """One immutable block of quantized history: B tokens of one layer's keys and values.
 
 A block is the unit that leaves the full-precision window (tokens are quantized once,
-when their block is written) and the unit a tiered cache moves between memory, disk
-and remote stores. It is a small self-contained object: a dict of tensors
-(``tensors()``), ``nbytes``, and ``to_bytes()/from_bytes()`` — the same checksummed
-format the offload tiers store (:mod:`lessmem.offload.serialize`).
+when their block is written). ``QuantizedKVLayer.blocks()`` (and the tiered layer's)
+returns the history as these read-only views, for inspection and tests: the first token
+``start``, ``n_tokens``, the stored parts by name (``tensors()``: ``k_codes``,
+``k_scale``, ``k_zero_point`` if stored, ``v_...``, laid out as the layer's
+:class:`~lessmem.formats.kvlayout.KVLayout` says) and ``nbytes``. The tiered cache does
+not move ``KVBlock`` objects: its tiers store the same dict of parts
+(``tensors()``), serialized by :func:`lessmem.offload.serialize.pack_block` where a tier
+needs bytes.
 
 Example:
     >>> import torch
     >>> b = KVBlock(start=4, n_tokens=2, tensors_={"k_codes": torch.zeros(1, 1, 2, 32, dtype=torch.uint8)})
-    >>> b2 = KVBlock.from_bytes(b.to_bytes())
-    >>> b2.start, b2.n_tokens, b2.nbytes
-    (4, 2, 64)
+    >>> b.start, b.n_tokens, b.nbytes, list(b.tensors())
+    (4, 2, 64, ['k_codes'])
 """
 
 from __future__ import annotations
@@ -35,16 +38,3 @@ class KVBlock:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors_.values())
-
-    def to_bytes(self) -> bytes:
-        from ..offload.serialize import pack_block
-
-        return pack_block(self.tensors_, meta={"start": self.start, "n_tokens": self.n_tokens})
-
-    @staticmethod
-    def from_bytes(blob: bytes) -> KVBlock:
-        """Raises ``CorruptBlockError`` (a ValueError) when the bytes do not verify."""
-        from ..offload.serialize import unpack_block
-
-        tensors, meta = unpack_block(blob)
-        return KVBlock(int(meta["start"]), int(meta["n_tokens"]), tensors)
