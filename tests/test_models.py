@@ -78,6 +78,32 @@ def test_load_errors(tmp_path):
         models.builtin_gguf("x")
 
 
+def _gguf_header_only(arch: bytes) -> bytes:
+    """A well-formed GGUF file with no tensors and one key, general.architecture."""
+    import struct
+
+    def s(x):
+        return struct.pack("<Q", len(x)) + x
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + s(b"general.architecture")
+            + struct.pack("<I", 8) + s(arch))
+
+
+def test_load_gguf_errors(tmp_path):
+    """A damaged .gguf is named as such before transformers reads it; a well-formed one
+    transformers cannot build gives a ValueError naming the file, not a raw traceback."""
+    good = _gguf_header_only(b"notamodel")
+    for data in (good[:30], b"\x00" * 64, good[:4] + b"\xff" * 40):
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match=f"^not a valid GGUF file: {bad}: "):
+            load(str(bad))
+    ok = tmp_path / "unknown-arch.gguf"
+    ok.write_bytes(good)
+    with pytest.raises(ValueError, match="could not load model .*unknown-arch.gguf' as a GGUF file: "
+                                         ".*architecture notamodel is not supported"):
+        load(str(ok))
+
+
 def test_quantized_checkpoint_hook(tmp_path, monkeypatch):
     (tmp_path / models.QUANT_MARKER).write_text("{}")
     import importlib.util

@@ -99,16 +99,8 @@ def tiny_random(
     """
     import transformers
 
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; allowed: {', '.join(TINY_ARCHS)}")
-    if num_heads % num_kv_heads or hidden_size % num_heads:
-        raise ValueError(
-            f"need hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0, got "
-            f"hidden_size={hidden_size}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-    common = dict(
+    _check_tiny_shape(arch, hidden_size, num_heads, num_kv_heads, sliding_window)
+    config = _tiny_config(transformers, arch, sliding_window, dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -120,19 +112,7 @@ def tiny_random(
         eos_token_id=257,
         pad_token_id=258,
         tie_word_embeddings=False,
-    )
-    alternate = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(num_layers)]
-    if arch == "llama":
-        config = transformers.LlamaConfig(**common)
-        if sliding_window is not None:
-            raise ValueError("arch 'llama' has no sliding-window layers; use 'qwen2' or 'mistral'")
-    elif arch == "qwen2":
-        extra = {}
-        if sliding_window is not None:
-            extra = dict(use_sliding_window=True, sliding_window=sliding_window, layer_types=alternate)
-        config = transformers.Qwen2Config(**common, **extra)
-    else:
-        config = transformers.MistralConfig(**common, sliding_window=sliding_window)
+    ))
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -140,6 +120,36 @@ def tiny_random(
     finally:
         torch.random.set_rng_state(state)
     return model.to(dtype).eval()
+
+
+def _check_tiny_shape(arch: str, hidden_size: int, num_heads: int, num_kv_heads: int,
+                      sliding_window: int | None) -> None:
+    """``tiny_random``'s argument checks, before any model is built."""
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; allowed: {', '.join(TINY_ARCHS)}")
+    if num_heads % num_kv_heads or hidden_size % num_heads:
+        raise ValueError(
+            f"need hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0, got "
+            f"hidden_size={hidden_size}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if arch == "llama" and sliding_window is not None:
+        raise ValueError("arch 'llama' has no sliding-window layers; use 'qwen2' or 'mistral'")
+
+
+def _tiny_config(transformers, arch: str, sliding_window: int | None, common: dict):
+    """The transformers config of ``arch``; Qwen2 with a window slides on its odd layers."""
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        extra = {}
+        if sliding_window is not None:
+            n = common["num_hidden_layers"]
+            alternate = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(n)]
+            extra = dict(use_sliding_window=True, sliding_window=sliding_window, layer_types=alternate)
+        return transformers.Qwen2Config(**common, **extra)
+    return transformers.MistralConfig(**common, sliding_window=sliding_window)
 
 
 def tiny_tokenizer():
@@ -217,6 +227,8 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
                 "not an existing .gguf file or directory, not a hub id (org/name)"
             )
     model.eval()
+    if tok is not None:  # lessmem.quantize_ tokenizes calibration text with it (weights.calibrate)
+        model._lessmem_tokenizer = tok
     return model, tok
 
 
@@ -324,11 +336,24 @@ def _save_dequantized(model, tok, saved: Path, spec: BuiltinModel) -> None:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
+    """Load a GGUF file through transformers, after checking its header: a truncated or
+    damaged file raises ``ValueError("not a valid GGUF file: <path>: ...")`` up front,
+    where transformers would fail deep inside (``struct.error``, a numpy reshape)."""
+    import struct
+
+    from lessmem.formats.gguf_file import read_gguf_header
+
+    read_gguf_header(path)  # before transformers is even imported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(gguf_file=path.name)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=dtype, **kw)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=dtype, **kw)
+    except (ValueError, KeyError, IndexError, TypeError, struct.error) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"could not load model {str(path)!r} as a GGUF file: "
+                         f"{type(exc).__name__}: {first}") from exc
     return model, tok
 
 

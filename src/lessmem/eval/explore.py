@@ -256,9 +256,10 @@ def model_gguf_path(model: str):
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: str):
-    import gguf
+    from ..formats.gguf_file import open_gguf_reader
 
-    return gguf.GGUFReader(path)  # memory-mapped; parsing the header is the slow part
+    # header checked first (a damaged file: "not a valid GGUF file: ..."), then memory-mapped
+    return open_gguf_reader(path)
 
 
 def list_tensors(model: str) -> list[dict]:
