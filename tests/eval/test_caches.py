@@ -42,7 +42,6 @@ def test_resolve_names_and_errors():
     assert resolve_config(spec) is spec
 
 
-@pytest.mark.skipif("fp16" not in lessmem_presets(), reason="lessmem.kvcache presets not available")
 def test_fp16_preset_equals_dynamic_and_int4_is_smaller(model):
     tok = tiny_tokenizer()
     rows = {r["config"]: r for r in evaluate(model, tok, ["fp16", "int4"], TEXT, 1, 320, 16)}
@@ -52,7 +51,6 @@ def test_fp16_preset_equals_dynamic_and_int4_is_smaller(model):
     assert 4.0 < rows["int4"]["k_bits"] < 5.0
 
 
-@pytest.mark.skipif("fp16" not in lessmem_presets(), reason="lessmem.kvcache presets not available")
 def test_kvconfig_object_is_named_after_its_preset():
     presets = lessmem_presets()
     assert resolve_config(presets["int4"]).name == "int4"
@@ -83,7 +81,6 @@ def test_memory_at_length_counts_what_is_held(model):
         memory_at_length(spec, model.config, 0)
 
 
-@pytest.mark.skipif("int4" not in lessmem_presets(), reason="lessmem.kvcache presets not available")
 def test_lessmem_cache_bytes_at_length_shrink(model):
     m = memory_at_length(resolve_config("int4"), model.config, 2048)
     assert m["fp16_equivalent"] == 2 * 2 * 2048 * 64 * 2
@@ -96,4 +93,50 @@ def test_expand_kv_keywords():
     assert expand_kv("peers") == available_peers()
     assert expand_kv("presets") == list(lessmem_presets())
     assert expand_kv("int4,int4,hf-fp8") == ["int4", "hf-fp8"]
-    assert set(expand_kv(None)) <= set(MAIN_PRESETS) | set(lessmem_presets())
+    assert expand_kv(None, full=True) == list(MAIN_PRESETS)
+
+
+def test_default_eval_is_the_quick_run_and_full_is_the_main_table():
+    from lessmem.cli import build_parser
+    from lessmem.eval.cli import FULL_PROTOCOL, MAIN_PRESETS, QUICK_PRESETS, QUICK_PROTOCOL, check
+
+    quick = build_parser("eval").parse_args(["eval", "--model", "/no/such/model"])
+    check(quick)
+    assert [s.name for s in quick.configs] == list(QUICK_PRESETS)
+    assert (quick.windows, quick.window_len) == QUICK_PROTOCOL == (1, 512)
+    full = build_parser("eval").parse_args(["eval", "--model", "/no/such/model", "--full"])
+    check(full)
+    assert [s.name for s in full.configs] == list(MAIN_PRESETS)
+    assert (full.windows, full.window_len) == FULL_PROTOCOL == (2, 1024)
+    # an explicit option still wins over --full
+    mixed = build_parser("eval").parse_args(["eval", "--model", "/no/such/model", "--full",
+                                             "--kv", "int4", "--windows", "3"])
+    check(mixed)
+    assert [s.name for s in mixed.configs] == ["int4"] and (mixed.windows, mixed.window_len) == (3, 1024)
+
+
+def _accepts(fn, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(fn).parameters
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_cache_kwarg_is_the_one_the_installed_forward_takes(arch):
+    # transformers 5.24 renamed past_key_values= to cache= (the old name warns, and is
+    # removed from forward in 5.40); older releases only know past_key_values=
+    m = tiny_random(arch)
+    kw = cache_kwarg(m)
+    assert kw in ("cache", "past_key_values") and _accepts(m.forward, kw)
+    if _accepts(m.forward, "cache"):
+        assert kw == "cache"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warning from lessmem's own calls
+        with torch.inference_mode():
+            cache = resolve_config("int4").make(m.config)
+            out = m(torch.tensor([[1, 2, 3, 4]]), **{kw: cache}, use_cache=True)
+            m.generate(torch.tensor([[1, 2, 3]]), **{kw: DynamicCache(config=m.config)},
+                       max_new_tokens=2, do_sample=False)
+    assert out.logits.shape[1] == 4 and cache.get_seq_length() == 4

@@ -87,11 +87,9 @@ def available_peers() -> list[str]:
 
 
 def lessmem_presets() -> dict:
-    """``lessmem.kvcache.PRESETS`` or ``{}`` while the kvcache layer is unavailable."""
-    try:
-        from lessmem.kvcache import PRESETS
-    except ImportError:
-        return {}
+    """A copy of ``lessmem.kvcache.PRESETS`` (name -> KVConfig)."""
+    from lessmem.kvcache import PRESETS
+
     return dict(PRESETS)
 
 
