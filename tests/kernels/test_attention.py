@@ -200,3 +200,20 @@ def test_layouts_the_cache_does_not_use_yet_work_from_their_description(bits, pa
         out, lse = quantized_attention(q, kv, use_cpp=use_cpp)
         assert (out - ref).abs().max() <= 1e-4 * float(ref.abs().max()) + 1e-6
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_no_production_module_imports_the_test_oracle():
+    # attention_reference is the tests' oracle; the torch fallback is attention_torch
+    import ast
+    from pathlib import Path
+
+    import lessmem
+
+    users = []
+    for path in Path(lessmem.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if any("attention_reference" in n for n in [module, *names]):
+                users.append(path.name)
+    assert users == []
