@@ -247,6 +247,14 @@ def test_open_gguf_reader_and_the_explorer_say_it(truncated, tmp_path):
         _expect_invalid(path, reader=lambda p: explore.load_tensor(str(p), "tok.weight"))
 
 
+def test_gguf_export_says_it(truncated, tmp_path):
+    pytest.importorskip("gguf")
+    from lessmem.weights.gguf_export import export_gguf
+
+    _expect_invalid(truncated, reader=lambda p: export_gguf(p, tmp_path / "out.gguf", progress=False))
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_lessmem_load_says_it(truncated, tmp_path):
     import lessmem
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.gguf import gguf_type, quantize_gguf
+from ..formats.gguf_file import open_gguf_reader
 from .gguf_mix import FILE_TYPE_IDS, check_mix, tensor_type
 
 _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type")
@@ -74,7 +75,7 @@ def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     src, out = Path(src), Path(out)
     if not src.is_file() or src.suffix != ".gguf":
         raise ValueError(f"GGUF export needs a source .gguf file, got {str(src)!r}")
-    reader = gguf.GGUFReader(str(src))
+    reader = open_gguf_reader(src)  # a damaged file: ValueError("not a valid GGUF file: ...")
     arch = reader.fields["general.architecture"].contents()
     n_layers = int(reader.fields[f"{arch}.block_count"].contents())
     heads = reader.fields.get(f"{arch}.attention.head_count")
