@@ -46,9 +46,9 @@ class TierSpec:
             raise ValueError(f"capacity={self.capacity!r} must be a non-negative int or None")
 
     def to_dict(self) -> dict:
-        """Fields as a dict; a Redis URL's password is redacted (:func:`redact_url`)."""
-        target = redact_url(self.target) if self.kind == "remote" else self.target
-        return {"kind": self.kind, "target": target, "capacity": self.capacity}
+        """The fields, exactly (a Redis password included: use :meth:`to_text` or
+        :func:`redact_url` for anything shown or written to a report)."""
+        return {"kind": self.kind, "target": self.target, "capacity": self.capacity}
 
     def to_text(self, reveal: bool = False) -> str:
         """The entry as ``--offload`` takes it (``parse_offload_spec`` reads it back exactly,

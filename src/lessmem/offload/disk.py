@@ -188,8 +188,12 @@ class DiskTier(BatchReads, Tier):
                     del blob[got:]
             finally:
                 os.close(fd)
-        except FileNotFoundError:  # (also: evicted by a peer) a miss
+        except OSError as e:  # missing (also: evicted by a peer), or a symlink: a miss
+            if not isinstance(e, FileNotFoundError):
+                warnings.warn(f"{self.name} tier: block {key!r} at {path} cannot be read ({e}); "
+                              "treating it as a miss", RuntimeWarning, stacklevel=3)
             with self._lock:
+                self.stats.errors += not isinstance(e, FileNotFoundError)
                 self._forget(key)
             return None
         try:
