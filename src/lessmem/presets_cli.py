@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import json
 
+from lessmem import _cli_types as T
+
 HELP = "list the named KV-cache presets"
 
 
+def _head_dim(text: str) -> int:
+    """``--head-dim``: a multiple of 8 from 8 to 1024."""
+    v = T.integer()(text) if text.strip().lstrip("+-").isdigit() else None
+    if v is None or not 8 <= v <= 1024 or v % 8:
+        raise T.bad(text, "allowed: a positive multiple of 8, at most 1024")
+    return v
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--head-dim", type=int, default=64, help="head_dim for effective bits (default 64)")
+    p.add_argument("--head-dim", type=_head_dim, default=64,
+                   help="head_dim for effective bits, a multiple of 8 (default 64)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -50,8 +61,6 @@ def kv_rows(head_dim: int = 64) -> list[dict]:
 
 
 def run(args) -> int:
-    if args.head_dim < 8 or args.head_dim % 8:
-        raise ValueError(f"--head-dim {args.head_dim}; allowed: a positive multiple of 8")
     kv = kv_rows(args.head_dim)
     if args.json:
         print(json.dumps(kv, indent=2, default=str))

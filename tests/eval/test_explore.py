@@ -141,16 +141,16 @@ def test_lecture_command_cpu_time_under_10_s(tmp_path):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--bits", "9"], "--bits='9'; allowed: 2, 3, 4"),
-    (["--bits", "x"], "give comma-separated integers"),
-    (["--groups", "abc"], "group 'abc'; allowed"),
-    (["--tensor", "blk.0.attn_q.weight"], "--tensor needs --model"),
-    (["--list-tensors"], "--list-tensors needs --model"),
-    (["--model", "gpt-5", "--tensor", "x"], "--model 'gpt-5': give a built-in alias (smollm2-135m)"),
-    (["--model", "smollm2-135m"], "--model needs --tensor NAME"),
-    (["--formats", "q9_9"], "--formats: unknown q9_9"),
-    (["--group", "48"], "--group=48 does not divide the 1024 columns"),
-    (["--schemes", "sym,both"], "scheme 'both'"),
+    (["--bits", "9"], "--bits 9: allowed: comma-separated integers in [2, 8]"),
+    (["--bits", "x"], "--bits x: allowed: comma-separated integers"),
+    (["--groups", "abc"], "--groups abc: allowed: comma-separated group sizes"),
+    (["--tensor", "blk.0.attn_q.weight"], "--tensor blk.0.attn_q.weight: needs --model"),
+    (["--list-tensors"], "--list-tensors: needs --model"),
+    (["--model", "gpt-5", "--tensor", "x"], "--model gpt-5: give a built-in alias (smollm2-135m)"),
+    (["--model", "smollm2-135m"], "--model smollm2-135m: needs --tensor NAME"),
+    (["--formats", "q9_9"], "--formats q9_9: unknown q9_9"),
+    (["--group", "48"], "--group 48: does not divide the 1024 columns"),
+    (["--schemes", "sym,both"], "--schemes sym,both: allowed: comma-separated schemes out of sym, asym"),
 ])
 def test_cli_errors_one_line_exit_2(args, match, capsys):
     assert cli.main(["explore", "--rows", "8", "--formats", "none", *args]) == 2

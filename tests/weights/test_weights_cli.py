@@ -36,6 +36,6 @@ def test_cli_errors(tmp_path, capsys):
     assert main(["quantize", "--method", "gptq", "--bits", "7", "--out", str(tmp_path)]) == 2
     assert "GPTQConfig bits=7 is not supported" in capsys.readouterr().err
     assert main(["quantize", "--method", "quip", "--out", str(tmp_path)]) == 2
-    assert "--method 'quip'; allowed: rtn, hqq, gptq, awq, smoothquant" in capsys.readouterr().err
+    assert "--method quip: allowed: rtn, hqq, gptq, awq, smoothquant" in capsys.readouterr().err
     assert main(["quantize", "--format", "onnx", "--out", str(tmp_path)]) == 2
-    assert "--format 'onnx'; allowed: lessmem, gguf" in capsys.readouterr().err
+    assert "--format onnx: allowed: lessmem, gguf" in capsys.readouterr().err

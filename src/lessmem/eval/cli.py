@@ -1,10 +1,15 @@
 """``lessmem eval``: perplexity, KLD, top-1, bytes, speed (and passkey) per KV cache config.
 
-With no arguments: the built-in model on the built-in text (Python's docs), the
-unquantized ``DynamicCache`` against the main lessmem presets.
+With no arguments (a quick run, under a minute on two cores): the built-in model on
+the built-in text (Python's docs), one window of 512 tokens, the unquantized
+``DynamicCache`` against four presets (int8, int4, best-4, best-2). ``--full``: the
+main presets on two windows of 1024 tokens. Progress goes to stderr, one line per
+stage (also when stderr is a file or pipe); transformers' loading bars and logs are
+quiet.
 
 Example:
-    $ lessmem eval                                   # the README's main job
+    $ lessmem eval                                   # the README's main job (quick)
+    $ lessmem eval --full                            # the main presets, 2 x 1024 tokens
     $ lessmem eval --kv int4,kivi-2,quanto-int4 --windows 8 --window-len 1024 --json
     $ lessmem eval --text wikitext2 --passkey 1024,4096 --plot kv.png
     $ lessmem eval --kv int4,kivi-2 --kv-budget 64MiB --offload host@1GiB,disk:/tmp/kv
@@ -18,67 +23,68 @@ carry the same under ``"offload"``. The passkey test runs the in-memory caches.
 
 from __future__ import annotations
 
+import os
 import sys
-from pathlib import Path
+
+from lessmem import _cli_types as T
+from lessmem._cli_model import peek_model
 
 HELP = "measure perplexity, KLD, retrieval, bytes and speed of KV caches"
 
 MAIN_PRESETS = ("fp8", "int8", "int4", "kivi-4", "kivi-2", "best-4", "best-2")
-DEFAULT_WINDOWS = 2
-DEFAULT_WINDOW_LEN = 1024
+QUICK_PRESETS = ("int8", "int4", "best-4", "best-2")
+# (windows, window_len): the default quick run, and --full
+QUICK_PROTOCOL = (1, 512)
+FULL_PROTOCOL = (2, 1024)
 DEFAULT_CHUNK = 16
 DTYPES = ("float32", "bfloat16", "float16")
+MIN_WINDOW_LEN = 8  # lessmem.eval.perplexity.MIN_WINDOW_LEN (not imported: it pulls in torch)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="built-in alias, .gguf file, HF directory or hub id (default: smollm2-135m)")
-    p.add_argument("--text", default="pydoc",
+    p.add_argument("--text", type=T.text_source, default="pydoc",
                    help="pydoc (built-in: Python's docs), wikitext2, or a text FILE (default: pydoc)")
     p.add_argument("--kv", default=None,
                    help="comma-separated configs: lessmem presets, peers (quanto-int4, quanto-int2, "
                         "hqq-int4, hf-fp8), 'presets' (all lessmem presets), 'peers' (all installed "
-                        f"peers); default: {','.join(MAIN_PRESETS)}. DynamicCache is always the baseline")
-    p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS, help=f"number of windows (default {DEFAULT_WINDOWS})")
-    p.add_argument("--window-len", type=int, default=DEFAULT_WINDOW_LEN,
-                   help=f"tokens per window; the first quarter is prefilled (default {DEFAULT_WINDOW_LEN})")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                        f"peers); default: {','.join(QUICK_PRESETS)} (--full: {','.join(MAIN_PRESETS)}). "
+                        "DynamicCache is always the baseline")
+    p.add_argument("--full", action="store_true",
+                   help=f"the full table: the main presets on {FULL_PROTOCOL[0]} windows of {FULL_PROTOCOL[1]} "
+                        "tokens (several minutes on two cores); --kv/--windows/--window-len still win")
+    p.add_argument("--windows", type=T.integer(1, 100_000), default=None,
+                   help=f"number of windows (default {QUICK_PROTOCOL[0]}; --full: {FULL_PROTOCOL[0]})")
+    p.add_argument("--window-len", type=T.integer(MIN_WINDOW_LEN, T.MAX_TOKENS), default=None,
+                   help=f"tokens per window; the first quarter is prefilled (default {QUICK_PROTOCOL[1]}; "
+                        f"--full: {FULL_PROTOCOL[1]})")
+    p.add_argument("--chunk", type=T.integer(1, T.MAX_TOKENS), default=DEFAULT_CHUNK,
                    help=f"tokens per decode step after the prefill; 1 = exact decoding (default {DEFAULT_CHUNK})")
-    p.add_argument("--passkey", default="",
+    p.add_argument("--passkey", type=T.int_list(64, T.MAX_TOKENS, empty_ok=True), default="",
                    help="comma-separated prompt lengths for the passkey test, e.g. 1024,4096 (default: off)")
-    p.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="needle depths in [0,1] (default 0.1,0.5,0.9)")
+    p.add_argument("--passkey-depths", type=T.float_list(0, 1), default="0.1,0.5,0.9", help="needle depths in [0,1] (default 0.1,0.5,0.9)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=T.THREADS, default=None, help="torch CPU threads, 1..1024 (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON to this file")
-    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot Δppl vs effective bits")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", type=T.out_file(), default=None, help="also write the JSON to this file")
+    p.add_argument("--plot", type=T.out_file(PLOT_SUFFIXES), default=None, metavar="FILE.png",
+                   help="plot Δppl vs effective bits (.png, .svg or .pdf)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     from lessmem.eval.generate_cli import add_offload_arguments
 
     add_offload_arguments(p)
 
 
-def _int_list(s: str, what: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what}={s!r}; allowed: comma-separated integers") from None
-
-
-def _float_list(s: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what}={s!r}; allowed: comma-separated numbers") from None
-
-
-def expand_kv(spec: str | None) -> list[str]:
-    """``--kv`` value -> config names (``presets``/``peers`` expand; unknown names fail later)."""
+def expand_kv(spec: str | None, full: bool = False) -> list[str]:
+    """``--kv`` value -> config names (``presets``/``peers`` expand; unknown names fail later);
+    None: the quick presets, or the main ones with ``full``."""
     from lessmem.eval.caches import available_peers, lessmem_presets
 
     if spec is None:
         presets = lessmem_presets()
-        return [p for p in MAIN_PRESETS if p in presets] or list(presets)
+        return [p for p in (MAIN_PRESETS if full else QUICK_PRESETS) if p in presets] or list(presets)
     names: list[str] = []
     for part in (x.strip() for x in spec.split(",")):
         if not part:
@@ -90,44 +96,8 @@ def expand_kv(spec: str | None) -> list[str]:
         else:
             names.append(part)
     if not names:
-        raise ValueError(f"--kv {spec!r} names no config; allowed: preset names, peers, 'presets', 'peers'")
+        raise T.OptionError("--kv", spec, "names no config; allowed: preset names, peers, 'presets', 'peers'")
     return list(dict.fromkeys(names))
-
-
-class _Progress:
-    """A rich progress bar on stderr (or nothing)."""
-
-    def __init__(self, enabled: bool, label: str):
-        self.bar = self.task = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-            self.label = label
-
-    def __enter__(self):
-        if self.bar:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar:
-            self.bar.__exit__(*exc)
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            return
-        if self.task is None:
-            self.task = self.bar.add_task(self.label, total=total)
-        self.bar.update(self.task, completed=done, total=total)
 
 
 def offload_configs(args, specs: list) -> list:
@@ -157,48 +127,87 @@ def print_offload(rows: list[dict]) -> None:
             print(f"  {r['config']:<10} {line}")
 
 
+def check(args) -> None:
+    """Everything checked before the model loads: configs, tiers, lengths against the context."""
+    from lessmem.eval.caches import resolve_configs
+
+    full = getattr(args, "full", False)
+    windows, window_len = FULL_PROTOCOL if full else QUICK_PROTOCOL
+    args.windows = windows if args.windows is None else args.windows
+    args.window_len = window_len if args.window_len is None else args.window_len
+    if args.chunk > args.window_len:
+        raise T.OptionError("--chunk", args.chunk, f"allowed: at most --window-len ({args.window_len})")
+    names = expand_kv(args.kv, full)
+    try:
+        specs = resolve_configs(names)
+    except ValueError as exc:
+        raise T.OptionError("--kv", args.kv, str(exc)) from None
+    args.names, args.configs = names, offload_configs(args, specs)  # unknown names fail here
+    shape = peek_model(args.model)
+    check_lengths(args, shape and shape["context"])
+
+
+def check_lengths(args, context: int | None) -> None:
+    """--window-len and --passkey lengths within the model's context (None: not known yet)."""
+    from lessmem.eval.generate_cli import check_context
+
+    check_context("--window-len", args.window_len, args.window_len, context, "per window")
+    for n in args.passkey:
+        check_context("--passkey", ",".join(map(str, args.passkey)), n, context, "in a passkey prompt")
+
+
+def write_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file."""
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def run(args) -> int:
     import torch
 
-    from lessmem.eval.caches import resolve_configs
-    from lessmem.eval.perplexity import check_protocol, evaluate
     from lessmem.base.corpus import load_text
+    from lessmem.eval.generate_cli import load_model, set_threads
+    from lessmem.eval.perplexity import evaluate
 
-    check_protocol(args.windows, args.window_len, args.chunk)
-    names = expand_kv(args.kv)
-    configs = offload_configs(args, resolve_configs(names))  # unknown names fail before the model loads
-    lengths = _int_list(args.passkey, "--passkey")
-    depths = _float_list(args.passkey_depths, "--passkey-depths")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads={args.threads}; allowed: an integer >= 1")
-        torch.set_num_threads(args.threads)
+    if not hasattr(args, "configs"):
+        check(args)
+    names, configs, lengths, depths = args.names, args.configs, args.passkey, args.passkey_depths
+    from lessmem.eval.report import Progress, dumps, plot, print_table, quiet_transformers
+
+    prog = Progress(not args.no_progress)
+    quiet_transformers()
+    set_threads(args.threads)
     text_name, text = load_text(args.text)
-
-    from lessmem.models import ModelFetchError, load
-
-    try:
-        model, tok = load(args.model, dtype=getattr(torch, args.dtype))
-    except ModelFetchError as exc:
-        raise ValueError(str(exc)) from exc
-    show = not args.no_progress
-    with _Progress(show, "perplexity") as prog:
+    prog.say(f"loading {args.model} ...")
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    check_lengths(args, getattr(model.config, "max_position_embeddings", None))
+    prog.say(f"{len(configs)} configs + the DynamicCache baseline, {args.windows} x {args.window_len} "
+             f"tokens of {text_name}" + ("" if getattr(args, "full", False) or args.kv else "; the full table: --full"))
+    with prog.steps("perplexity"):
         rows = evaluate(model, tok, configs, text, args.windows, args.window_len, args.chunk,
-                        progress=prog, model_name=str(args.model), text_name=text_name)
+                        progress=prog, log=prog.say, model_name=str(args.model), text_name=text_name)
     pk = None
     if lengths:
         from lessmem.eval.passkey import passkey_eval
 
-        with _Progress(show, "passkey") as prog:
+        prog.say(f"passkey: lengths {','.join(map(str, lengths))} x {len(depths)} depths")
+        with prog.steps("passkey"):
             # in-memory caches: the tiered ones are bit-exact, and passkey does not close caches
             pk = passkey_eval(model, tok, names, lengths, depths, progress=prog)
-
-    from lessmem.eval.report import dumps, plot, print_table
+    prog.say("done")
 
     js = dumps(rows, pk)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(js + "\n")
+        write_atomic(args.out, js + "\n")
     if args.json:
         sys.stdout.write(js + "\n")
     else:

@@ -12,50 +12,129 @@ import json
 import math
 import time
 
+from lessmem import _cli_types as T
+from lessmem._cli_model import peek_model
+
 HELP = "quantization error explorer (bits x group size)"
 
 
+MAX_COLS = 2**20
+MAX_ELEMENTS = 2**24  # rows x cols of the synthetic matrix: 64 MiB of fp32
+SIZES = ("channel", "per-channel", "row", "tensor", "per-tensor")
+
+
+def _groups(text: str) -> list[str]:
+    """``--groups``: comma-separated group sizes (1..2^20), 'channel' or 'tensor'."""
+    parts = [x.strip().lower() for x in text.split(",") if x.strip()]
+    ok = [x in SIZES or (x.removeprefix("g").isdigit() and 1 <= int(x.removeprefix("g")) <= MAX_COLS)
+          for x in parts]
+    if not parts or not all(ok):
+        raise T.bad(text, f"allowed: comma-separated group sizes in [1, {MAX_COLS}], 'channel' or 'tensor'")
+    return parts
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--bits", default="2,3,4,8", help="comma-separated bit widths (2..8)")
-    p.add_argument("--groups", default="8,16,32,64,128,channel,tensor",
+    p.add_argument("--bits", type=T.int_list(2, 8), default="2,3,4,8", help="comma-separated bit widths (2..8)")
+    p.add_argument("--groups", type=_groups, default="8,16,32,64,128,channel,tensor",
                    help="group sizes along the input axis, 'channel' (one scale per output row), 'tensor'")
-    p.add_argument("--schemes", default="sym,asym", help="sym (zero point 0), asym (min/max + zero point)")
-    p.add_argument("--rows", default="128", help="synthetic matrix rows (default 128)")
-    p.add_argument("--cols", default="1024", help="synthetic matrix columns (default 1024)")
-    p.add_argument("--seed", default="11", help="seed of the synthetic matrix (default 11, the lecture's)")
-    p.add_argument("--outliers", nargs="?", const=2, default=0, type=int,
-                   help="add N outlier input channels (default 2 when given)")
-    p.add_argument("--outlier-scale", default="100", help="outlier channels are N(0,1) x this (default 100)")
-    p.add_argument("--group", default="32", help="group size of the outlier experiment and the picture")
+    p.add_argument("--schemes", type=T.choice_list(("sym", "asym"), "schemes"), default="sym,asym",
+                   help="sym (zero point 0), asym (min/max + zero point)")
+    p.add_argument("--rows", type=T.integer(1, MAX_COLS), default="128", help="synthetic matrix rows (default 128)")
+    p.add_argument("--cols", type=T.integer(1, MAX_COLS), default="1024",
+                   help=f"synthetic matrix columns (default 1024; rows x cols at most {MAX_ELEMENTS:,})")
+    p.add_argument("--seed", type=T.integer(0, 2**32 - 1), default="11",
+                   help="seed of the synthetic matrix (default 11, the lecture's)")
+    p.add_argument("--outliers", nargs="?", const=2, default=0, type=T.integer(0, 128),
+                   help="add N outlier input channels, 0..128 (default 2 when given)")
+    p.add_argument("--outlier-scale", type=T.number(0, 1e6, lo_open=True), default="100",
+                   help="outlier channels are N(0,1) x this (default 100)")
+    p.add_argument("--group", type=T.integer(1, MAX_COLS), default="32",
+                   help="group size of the outlier experiment and the picture")
     p.add_argument("--formats", default="auto",
                    help="GGUF types / codebooks / fp8 rows: 'auto' (all lessmem.formats has), 'none', or a list")
     p.add_argument("--model", default=None, help="built-in alias (smollm2-135m) or a .gguf file: use a real tensor")
     p.add_argument("--tensor", default=None, help="tensor name in the model file (see --list-tensors)")
     p.add_argument("--list-tensors", action="store_true", help="list the model file's tensors and exit")
-    p.add_argument("--bandwidth", default="3.35TB/s", help="bandwidth for the traffic table's times")
-    p.add_argument("--threads", default="1", help="torch threads (default 1: small tensors, shared CPUs)")
-    p.add_argument("--plot", default=None, help="write a PNG: 128 weights and SNR-vs-bits curves")
+    p.add_argument("--bandwidth", type=T.rate(), default="3.35TB/s", help="bandwidth for the traffic table's times")
+    p.add_argument("--threads", type=T.THREADS, default="1", help="torch threads (default 1: small tensors, shared CPUs)")
+    p.add_argument("--plot", type=T.out_file((".png", ".svg", ".pdf")), default=None,
+                   help="write a PNG (or .svg/.pdf): 128 weights and SNR-vs-bits curves")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _ints(text, what, lo=1):
-    try:
-        vals = [int(s) for s in str(text).split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--{what}={text!r}: give comma-separated integers") from None
-    if not vals or any(v < lo for v in vals):
-        raise ValueError(f"--{what}={text!r}: values must be integers >= {lo}")
-    return vals
+def _format_names(text: str) -> list[str] | None:
+    """``--formats`` -> names (None = 'auto'); OptionError naming unknown ones."""
+    from . import explore as ex
+
+    fmts = text.strip().lower()
+    if fmts == "auto":
+        return None
+    names = [] if fmts == "none" else [s.strip() for s in fmts.split(",") if s.strip()]
+    missing = [n for n in names if n not in ex.available_formats(names)]
+    if missing or (fmts != "none" and not names):
+        raise T.OptionError("--formats", text, f"unknown {', '.join(missing) or 'empty list'}; allowed: "
+                            f"auto, none or names out of {', '.join(ex.available_formats())}")
+    return names
 
 
-def _num(text, what):
+def check(args) -> None:
+    """Every option combination checked before a matrix is made or a file read."""
+    if args.model:
+        from .explore import model_gguf_path
+
+        try:
+            path = model_gguf_path(args.model)
+        except ValueError as exc:
+            raise T.OptionError("--model", args.model, str(exc).removeprefix(f"--model {args.model!r}: ")) from None
+        if peek_model(str(path)) is None:
+            raise T.OptionError("--model", args.model, "not a valid GGUF file; allowed: a .gguf file "
+                                "or a built-in alias")
+    if args.list_tensors:
+        if not args.model:
+            raise T.OptionError("--list-tensors", None, "needs --model (e.g. --model smollm2-135m)")
+        return
+    if args.model and not args.tensor:
+        raise T.OptionError("--model", args.model, "needs --tensor NAME (or --list-tensors to see the names)")
+    if args.tensor and not args.model:
+        raise T.OptionError("--tensor", args.tensor, "needs --model (e.g. --model smollm2-135m)")
+    args.format_names = _format_names(args.formats)
+    if not args.model:
+        if args.rows * args.cols > MAX_ELEMENTS:
+            raise T.OptionError("--cols", args.cols, f"rows x cols = {args.rows * args.cols:,}; allowed: "
+                                f"at most {MAX_ELEMENTS:,} elements")
+        if args.outliers > args.cols:
+            raise T.OptionError("--outliers", args.outliers, f"allowed: at most --cols ({args.cols})")
+        _check_group(args.group, args.cols)
+
+
+def _check_group(group: int, cols: int) -> None:
+    if cols % group:
+        raise T.OptionError("--group", group, f"does not divide the {cols} columns; allowed: a divisor of {cols}")
+
+
+def _read_gguf(what, *a):
+    """``what(*a)`` on a GGUF file; a damaged file's parse error as a one-line ValueError."""
     try:
-        v = float(text)
+        return what(*a)
     except ValueError:
-        raise ValueError(f"--{what}={text!r} is not a number") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"--{what}={text!r} must be a positive number")
-    return v
+        raise
+    except Exception as exc:  # the gguf package fails on damaged files with many error types
+        raise ValueError(f"--model {a[0]}: not a valid GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def _matrix(args, skipped: list[str]):
+    """The weights to explore: a tensor of the model file, or the seeded synthetic matrix."""
+    from . import explore as ex
+
+    if args.model:
+        w, info = _read_gguf(ex.load_tensor, args.model, args.tensor)
+        if args.outliers:
+            skipped.append("--outliers: applies to the synthetic matrix only; a real tensor has its own")
+        return w, [], {"kind": "model", "model": args.model, **info,
+                       "note": f"stored as {info['stored_as']} in the file: its dequantized values are the reference"}
+    w, outlier_cols = ex.synthetic_weights(args.rows, args.cols, args.seed, args.outliers, args.outlier_scale)
+    return w, outlier_cols, {"kind": "synthetic", "shape": [args.rows, args.cols], "seed": args.seed,
+                             "dist": "N(0, 1)", "outlier_cols": outlier_cols, "outlier_scale": args.outlier_scale}
 
 
 def explore(args) -> dict:
@@ -65,43 +144,16 @@ def explore(args) -> dict:
     from ..base.units import parse_rate
     from . import explore as ex
 
-    torch.set_num_threads(int(_num(args.threads, "threads")))
-    bits = _ints(args.bits, "bits", 2)
-    if any(b > 8 for b in bits):
-        raise ValueError(f"--bits={args.bits!r}; allowed: 2, 3, 4, 5, 6, 7, 8")
-    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    groups = [s.strip() for s in args.groups.split(",") if s.strip()]
-    group = _ints(args.group, "group")[0]
+    if not hasattr(args, "format_names"):
+        check(args)
+    torch.set_num_threads(args.threads)
+    bits, schemes, groups, group = args.bits, args.schemes, args.groups, args.group
     bandwidth = parse_rate(args.bandwidth, "bandwidth")
     skipped: list[str] = []
-    if args.model and not args.tensor:
-        raise ValueError("--model needs --tensor NAME (or --list-tensors to see the names)")
-    if args.model and args.tensor:
-        w, info = ex.load_tensor(args.model, args.tensor)
-        outlier_cols: list[int] = []
-        source = {"kind": "model", "model": args.model, **info,
-                  "note": f"stored as {info['stored_as']} in the file: its dequantized values are the reference"}
-        if args.outliers:
-            skipped.append("--outliers: applies to the synthetic matrix only; a real tensor has its own")
-    elif args.tensor:
-        raise ValueError("--tensor needs --model (e.g. --model smollm2-135m)")
-    else:
-        rows, cols = _ints(args.rows, "rows")[0], _ints(args.cols, "cols")[0]
-        w, outlier_cols = ex.synthetic_weights(rows, cols, int(args.seed), args.outliers,
-                                               _num(args.outlier_scale, "outlier-scale"))
-        source = {"kind": "synthetic", "shape": [rows, cols], "seed": int(args.seed), "dist": "N(0, 1)",
-                  "outlier_cols": outlier_cols, "outlier_scale": float(args.outlier_scale)}
-    if w.shape[-1] % group:
-        raise ValueError(f"--group={group} does not divide the {w.shape[-1]} columns; choose a divisor")
+    w, outlier_cols, source = _matrix(args, skipped)
+    _check_group(group, w.shape[-1])  # a model's tensor: its width is known only now
     table = ex.error_table(w, bits, groups, schemes, skipped)
-    fmts = args.formats.strip().lower()
-    names = None if fmts == "auto" else [] if fmts == "none" else [s.strip() for s in fmts.split(",")]
-    formats = ex.formats_table(w, names, skipped)
-    if names:
-        missing = [n for n in names if n not in ex.available_formats(names)]
-        if missing:
-            raise ValueError(f"--formats: unknown {', '.join(missing)}; lessmem.formats has: "
-                             f"{', '.join(ex.available_formats())}")
+    formats = ex.formats_table(w, args.format_names, skipped)
     exp_bits = 4 if 4 in bits else bits[0]
     outlier = ex.outlier_experiment(w, outlier_cols, exp_bits, group)
     traffic_fmts = [("int4", str(group)), ("int8", "channel")] + [
@@ -197,9 +249,7 @@ def run(args) -> int:
     if args.list_tensors:
         from .explore import list_tensors
 
-        if not args.model:
-            raise ValueError("--list-tensors needs --model (e.g. --model smollm2-135m)")
-        ts = list_tensors(args.model)
+        ts = _read_gguf(list_tensors, args.model)
         if args.json:
             print(json.dumps(ts, indent=1))
         else:

@@ -16,35 +16,40 @@ Example:
 
 from __future__ import annotations
 
+from lessmem import _cli_types as T
+from lessmem._cli_model import peek_model
 from lessmem.base.units import fmt_bytes
 
 HELP = "generate text with a quantized KV cache"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", type=T.nonempty_text, help="the prompt text")
     p.add_argument("--kv", default="int4",
                    help="KV cache: a lessmem preset, 'dynamic', or a peer such as quanto-int4 (default int4)")
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf, directory or hub id")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--max-new-tokens", type=T.integer(1, T.MAX_TOKENS), default=128,
+                   help="tokens to generate (default 128; prompt + these must fit the model's context)")
     p.add_argument("--sample", action="store_true", help="sample (temperature/top-p) instead of greedy")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=T.number(0, 100, lo_open=True), default=0.7,
+                   help="with --sample: > 0, higher = more random (default 0.7)")
+    p.add_argument("--top-p", type=T.number(0, 1, lo_open=True), default=0.9,
+                   help="with --sample: nucleus mass in (0, 1] (default 0.9)")
+    p.add_argument("--seed", type=T.integer(0, 2**63 - 1), default=0, help="with --sample: RNG seed (default 0)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=T.THREADS, default=None, help="torch CPU threads, 1..1024")
     add_offload_arguments(p)
 
 
 def add_offload_arguments(p) -> None:
     """``--offload``, ``--kv-budget``, ``--block-tokens``, ``--no-prefetch`` (generate and eval)."""
-    p.add_argument("--offload", default=None, metavar="TIERS",
+    p.add_argument("--offload", type=T.offload_tiers, default=None, metavar="TIERS",
                    help="tiers below the device for lessmem presets, fastest first, each with an optional "
                         "@SIZE capacity: host,disk:/path,redis://127.0.0.1:6379/0 (e.g. host@1GiB,disk:/tmp/kv)")
-    p.add_argument("--kv-budget", default=None, metavar="SIZE",
+    p.add_argument("--kv-budget", type=T.size(), default=None, metavar="SIZE",
                    help="device bytes for the KV cache with --offload, e.g. 64MiB (KB/MB/GB are 1000-based, "
                         "KiB/MiB/GiB and a bare K/M/G 1024-based; default: no limit)")
-    p.add_argument("--block-tokens", type=int, default=256,
+    p.add_argument("--block-tokens", type=T.integer(1, 2**16), default=256,
                    help="tokens per offloaded block with --offload (a multiple of the preset's block size; "
                         "default 256: finer prefix reuse; 1024 decodes faster from a disk tier, fewer and "
                         "larger files to read each step)")
@@ -59,11 +64,41 @@ def offload_spec(args, spec):
 
     if args.offload is None:
         if args.kv_budget is not None:
-            raise ValueError(f"--kv-budget={args.kv_budget} needs --offload TIERS "
-                             "(e.g. host or host,disk:/path) for what does not fit")
+            raise T.OptionError("--kv-budget", args.kv_budget, "needs --offload TIERS "
+                                "(e.g. host or host,disk:/path) for what does not fit")
         return spec
-    return with_offload(spec, args.offload, args.kv_budget, block_tokens=args.block_tokens,
-                        prefetch=not args.no_prefetch)
+    try:
+        return with_offload(spec, args.offload, args.kv_budget, block_tokens=args.block_tokens,
+                            prefetch=not args.no_prefetch)
+    except ValueError as exc:
+        if "block_tokens" in str(exc):
+            raise T.OptionError("--block-tokens", args.block_tokens, str(exc)) from None
+        raise T.OptionError("--offload", args.offload, str(exc)) from None
+
+
+def set_threads(n: int | None) -> None:
+    """``torch.set_num_threads(n)`` when ``--threads`` was given."""
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def load_model(name: str, **kw):
+    """``lessmem.models.load`` with a download failure as a plain error (``ValueError``)."""
+    from lessmem.models import ModelFetchError, load
+
+    try:
+        return load(name, **kw)
+    except ModelFetchError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def check_context(option: str, value, n_tokens: int, context: int | None, what: str) -> None:
+    """OptionError when ``n_tokens`` exceed the model's ``context`` (None: unknown, no check)."""
+    if context is not None and n_tokens > context:
+        raise T.OptionError(option, value, f"{n_tokens:,} tokens {what} exceed the model's context "
+                            f"of {context:,} tokens; allowed: at most {context:,}")
 
 
 def placement_lines(pl: dict) -> list[str]:
@@ -109,45 +144,33 @@ def memory_lines(mem: dict) -> list[str]:
     return lines
 
 
-def run(args) -> int:
-    import torch
-
-    from lessmem.eval.caches import (
-        cache_kwarg,
-        close_cache,
-        measure_memory,
-        placement,
-        resolve_config,
-    )
-
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens={args.max_new_tokens}; allowed: an integer >= 1")
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty; allowed: any non-empty text")
-    if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
-        raise ValueError(f"--temperature={args.temperature}, --top-p={args.top_p}; allowed: "
-                         "temperature > 0 and 0 < top-p <= 1")
-    spec = offload_spec(args, resolve_config(args.kv))  # fails before the model loads
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads={args.threads}; allowed: an integer >= 1")
-        torch.set_num_threads(args.threads)
-
-    from transformers import TextStreamer
-
-    from lessmem.models import ModelFetchError, load
+def check(args) -> None:
+    """Everything checked before the model loads: the cache config, its tiers, the context."""
+    from lessmem.eval.caches import resolve_config
 
     try:
-        model, tok = load(args.model)
-    except ModelFetchError as exc:
-        raise ValueError(str(exc)) from exc
+        spec = resolve_config(args.kv)
+    except ValueError as exc:
+        raise T.OptionError("--kv", args.kv, str(exc)) from None
+    args.spec = offload_spec(args, spec)
+    shape = peek_model(args.model)
+    check_context("--max-new-tokens", args.max_new_tokens, args.max_new_tokens, shape and shape["context"],
+                  "of new tokens")
+
+
+def _encode(tok, args):
+    """The prompt's token ids (through the chat template unless --raw or there is none)."""
     if not args.raw and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                        tokenize=False, add_generation_prompt=True)
-        enc = tok(text, return_tensors="pt", add_special_tokens=False)
-    else:
-        enc = tok(args.prompt, return_tensors="pt")
-    cache = spec.make(model.config)
+        return tok(text, return_tensors="pt", add_special_tokens=False)
+    return tok(args.prompt, return_tensors="pt")
+
+
+def _generate_kwargs(tok, args) -> dict:
+    import torch
+    from transformers import TextStreamer
+
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
     if args.sample:
@@ -157,18 +180,12 @@ def run(args) -> int:
         gen.update(temperature=None, top_p=None, top_k=None)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         gen["pad_token_id"] = tok.eos_token_id
-    from lessmem.kvcache import enable
+    return gen
 
-    reused = None
-    with torch.inference_mode(), enable(model):  # fused attention over the quantized blocks
-        ids = enc["input_ids"]
-        if hasattr(cache, "prefill") and ids.shape[0] == 1 and ids.shape[1] > 1:
-            # a tiered cache takes the prompt (all but its last token) in chunks of its block
-            # size, so blocks are sealed and placed as they fill instead of one huge chunk
-            # emptying the device tier; a stored prefix of it is loaded, not recomputed
-            cache.prefill(model, ids[:, :-1])
-            reused = cache.prefix_tokens_reused
-        out = model.generate(**enc, **{cache_kwarg(model): cache}, **gen)
+
+def _print_summary(spec, enc, out, cache, reused) -> None:
+    from lessmem.eval.caches import measure_memory, placement
+
     n_new = out.shape[1] - enc["input_ids"].shape[1]
     mem = measure_memory(cache)
     print(f"\n--- KV cache {spec.name}: {enc['input_ids'].shape[1]} prompt + {n_new} new tokens")
@@ -180,5 +197,37 @@ def run(args) -> int:
             print(line)
     if reused is not None:
         print(f"prompt tokens loaded from the tiers instead of computed: {reused}")
-    close_cache(cache)
+
+
+def run(args) -> int:
+    import torch
+
+    from lessmem.eval.caches import cache_kwarg, close_cache
+    from lessmem.kvcache import enable
+
+    if not hasattr(args, "spec"):
+        check(args)
+    set_threads(args.threads)
+    model, tok = load_model(args.model)
+    enc = _encode(tok, args)
+    n_prompt = enc["input_ids"].shape[1]
+    context = getattr(model.config, "max_position_embeddings", None)
+    check_context("--max-new-tokens", args.max_new_tokens, n_prompt + args.max_new_tokens, context,
+                  f"(the prompt's {n_prompt} and the new ones)")
+    cache = args.spec.make(model.config)
+    gen = _generate_kwargs(tok, args)
+    reused = None
+    try:
+        with torch.inference_mode(), enable(model):  # fused attention over the quantized blocks
+            ids = enc["input_ids"]
+            if hasattr(cache, "prefill") and ids.shape[0] == 1 and ids.shape[1] > 1:
+                # a tiered cache takes the prompt (all but its last token) in chunks of its block
+                # size, so blocks are sealed and placed as they fill instead of one huge chunk
+                # emptying the device tier; a stored prefix of it is loaded, not recomputed
+                cache.prefill(model, ids[:, :-1])
+                reused = cache.prefix_tokens_reused
+            out = model.generate(**enc, **{cache_kwarg(model): cache}, **gen)
+        _print_summary(args.spec, enc, out, cache, reused)
+    finally:
+        close_cache(cache)
     return 0

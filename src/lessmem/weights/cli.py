@@ -4,6 +4,11 @@
     lessmem quantize --model smollm2-135m --method hqq --bits 3 --group-size 64 --out DIR
     lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --out model.gguf
 
+Without ``--group-size`` the group is 128, and where 128 does not divide a layer's
+inputs (the built-in model's 576-wide layers) the largest of 64/32 that does, as
+``--group-fallback`` (and the benchmarks) do; the summary counts the linears per group
+size. Every option is checked before the model loads.
+
 ``--calibration FILE`` picks the calibration text (default: the built-in corpus,
 ``pydoc_data.topics``); the summary says which was used. ``--json`` prints the report
 as JSON instead of a table.
@@ -12,52 +17,77 @@ as JSON instead of a table.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import sys
+import tempfile
 from pathlib import Path
+
+from lessmem import _cli_types as T
+from lessmem._cli_model import peek_model
 
 HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, GGUF)"
 METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant")
+FORMATS = ("lessmem", "gguf")
+DEFAULT_GROUP = 128
+PER_CHANNEL = ("none", "0", "per-channel")
+
+
+def _group_size(text: str) -> int | None:
+    """``--group-size``: a positive integer or none/per-channel (None)."""
+    if text.strip().lower() in PER_CHANNEL:
+        return None
+    return T.integer(1, 2**20)(text)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, HF dir, .gguf file or hub id")
-    p.add_argument("--method", default="rtn", help=f"one of {', '.join(METHODS)}")
-    p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
-    p.add_argument("--group-size", default="128", help="32, 64, 128, 256 or 'none' (per-channel)")
+    p.add_argument("--method", type=T.choice(METHODS), default="rtn", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--bits", type=T.integer(1, 64), default=4, help="2, 3, 4 or 8")
+    p.add_argument("--group-size", type=_group_size, default=None,
+                   help=f"32, 64, 128, 256 or 'none' (per-channel); default {DEFAULT_GROUP}, with "
+                        "--group-fallback where it does not divide a layer")
     p.add_argument("--symmetric", action="store_true", help="zero point fixed at 2^(bits-1)")
     p.add_argument("--group-fallback", action="store_true",
                    help="use a smaller group where the group size does not divide in_features")
-    p.add_argument("--calibration", default=None, help="calibration text file (default: built-in corpus)")
-    p.add_argument("--n-samples", type=int, default=32, help="calibration windows")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
-    p.add_argument("--iters", type=int, default=20, help="HQQ half-quadratic iterations")
-    p.add_argument("--lp-norm", type=float, default=0.7, help="HQQ lp norm of the error, 0 < p <= 1")
-    p.add_argument("--format", default="lessmem", help="lessmem (checkpoint dir) or gguf")
+    p.add_argument("--calibration", type=T.text_file, default=None,
+                   help="calibration text file (default: built-in corpus)")
+    p.add_argument("--n-samples", type=T.integer(1, 4096), default=32, help="calibration windows (1..4096)")
+    p.add_argument("--seq-len", type=T.integer(8, T.MAX_TOKENS), default=512, help="tokens per calibration window")
+    p.add_argument("--alpha", type=T.number(0, 1), default=0.5, help="SmoothQuant migration strength in [0, 1]")
+    p.add_argument("--iters", type=T.integer(0, 1000), default=20, help="HQQ half-quadratic iterations")
+    p.add_argument("--lp-norm", type=T.number(0, 1, lo_open=True), default=0.7, help="HQQ lp norm of the error, 0 < p <= 1")
+    p.add_argument("--format", type=T.choice(FORMATS), default="lessmem", help="lessmem (checkpoint dir) or gguf")
     p.add_argument("--type", default="Q4_K_M", help="GGUF type or mix for --format gguf")
     p.add_argument("--out", required=True, help="output directory (or .gguf file)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def build_config(args):
+    """The weight config the options describe; ValueError naming the option when invalid."""
     from . import AWQConfig, GPTQConfig, HQQConfig, RTNConfig, SmoothQuantConfig
 
     if args.method not in METHODS:
-        raise ValueError(f"--method {args.method!r}; allowed: {', '.join(METHODS)}")
-    gs = None if str(args.group_size).lower() in ("none", "0", "per-channel") else int(args.group_size)
+        raise T.OptionError("--method", args.method, f"allowed: {', '.join(METHODS)}")
+    gs = DEFAULT_GROUP if args.group_size is None else args.group_size
     common = dict(bits=args.bits, group_size=gs, symmetric=args.symmetric or args.bits == 8,
-                  group_fallback=args.group_fallback)
+                  group_fallback=args.group_fallback or args.group_size is None)
     if args.bits == 8:
         common["group_size"] = None
     calib = dict(n_samples=args.n_samples, seq_len=args.seq_len)
-    if args.method == "rtn":
-        return RTNConfig(**common)
-    if args.method == "hqq":
-        return HQQConfig(**common, iters=args.iters, lp_norm=args.lp_norm)
-    if args.method == "gptq":
-        return GPTQConfig(**common, **calib)
-    if args.method == "awq":
-        return AWQConfig(**common, **calib)
-    return SmoothQuantConfig(alpha=args.alpha, **calib)
+    make = {"rtn": lambda: RTNConfig(**common), "hqq": lambda: HQQConfig(**common, iters=args.iters,
+                                                                          lp_norm=args.lp_norm),
+            "gptq": lambda: GPTQConfig(**common, **calib), "awq": lambda: AWQConfig(**common, **calib),
+            "smoothquant": lambda: SmoothQuantConfig(alpha=args.alpha, **calib)}[args.method]
+    try:
+        return make()
+    except ValueError as exc:  # a config field named in the message: name its option
+        m = re.search(r"\b(\w+)=", str(exc))
+        opt = "--" + m.group(1).replace("_", "-") if m else None
+        if opt and hasattr(args, m.group(1)):
+            raise T.OptionError(opt, getattr(args, m.group(1)), str(exc)) from None
+        raise
 
 
 def _source_gguf(model: str) -> Path:
@@ -68,8 +98,44 @@ def _source_gguf(model: str) -> Path:
     p = Path(model)
     if p.is_file() and p.suffix == ".gguf":
         return p
-    raise ValueError(f"--format gguf needs a .gguf source model (a path or a built-in alias), "
-                     f"got {model!r}")
+    raise T.OptionError("--model", model, "--format gguf needs a .gguf source model (a path or a "
+                        f"built-in alias: {', '.join(models.BUILTIN)})")
+
+
+def _check_groups(args, config, shape: dict | None) -> None:
+    """--group-size against the model's layer widths, when its config is known before loading."""
+    gs = getattr(config, "group_size", None)
+    if not shape or gs is None or config.group_fallback:
+        return
+    bad = sorted(f for f in shape["in_features"] if f % gs)
+    if bad:
+        fits = [g for g in (32, 64, 128, 256) if all(f % g == 0 for f in shape["in_features"])]
+        raise T.OptionError("--group-size", args.group_size, f"does not divide the model's layer widths "
+                            f"{', '.join(map(str, bad))}; allowed here: {', '.join(map(str, fits)) or 'none'}, "
+                            "'none' (per-channel), or add --group-fallback")
+
+
+def check(args) -> None:
+    """Every option checked before the model loads or anything is written."""
+    if args.format == "gguf":
+        from ..base.gguf_rules import check_file_type
+
+        args.out = T.apply("--out", T.out_file((".gguf",)), args.out)
+        try:
+            check_file_type(args.type)
+        except ValueError as exc:
+            raise T.OptionError("--type", args.type, str(exc)) from None
+        args.source = _source_gguf(args.model)
+        if peek_model(str(args.source)) is None:
+            raise T.OptionError("--model", args.model, "not a valid GGUF file")
+        return
+    args.out = T.apply("--out", T.out_dir, args.out)
+    args.config = build_config(args)
+    shape = peek_model(args.model)
+    _check_groups(args, args.config, shape)
+    ctx = shape and shape["context"]
+    if args.config.needs_calibration and ctx and args.seq_len > ctx:
+        raise T.OptionError("--seq-len", args.seq_len, f"allowed: at most the model's context ({ctx:,})")
 
 
 def _print(report: dict, as_json: bool) -> None:
@@ -92,33 +158,76 @@ def _print(report: dict, as_json: bool) -> None:
             print(f"{k}: {v}")
 
 
-def run(args) -> int:
-    if args.format not in ("lessmem", "gguf"):
-        raise ValueError(f"--format {args.format!r}; allowed: lessmem, gguf")
-    if args.format == "gguf":
-        from .gguf_export import export_gguf
+def _fresh(out: Path):
+    """A temporary sibling of ``out`` to write into, renamed to ``out`` when complete (so a
+    failed run leaves no partial output), or ``out`` itself when it is an existing directory."""
+    if out.is_dir():
+        return out, None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    return (tmp / out.name if out.suffix == ".gguf" else tmp), tmp
 
-        src = _source_gguf(args.model)
-        rep = export_gguf(src, args.out, args.type, progress=not args.json)
-        rep["source"] = str(src)
-        rep["out"] = args.out
-        _print(rep, args.json)
-        return 0
-    config = build_config(args)
-    if args.calibration is not None and not Path(args.calibration).is_file():
-        raise ValueError(f"--calibration {args.calibration!r} is not a file")
+
+def _commit(out: Path, written: Path, tmp: Path | None) -> None:
+    if tmp is not None:
+        os.replace(written, out)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _group_counts(model) -> dict:
+    """{group size: number of quantized linears} (what --group-fallback chose, layer by layer)."""
+    from .qlinear import QuantLinear
+
+    counts: dict = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            key = "per-channel" if m.group_size in (None, m.in_features) else str(m.group_size)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _run_gguf(args) -> int:
+    from .gguf_export import export_gguf
+
+    target, tmp = _fresh(args.out)
+    try:
+        rep = export_gguf(args.source, target, args.type, progress=not args.json)
+        _commit(args.out, target, tmp)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rep["source"], rep["out"] = str(args.source), str(args.out)
+    _print(rep, args.json)
+    return 0
+
+
+def run(args) -> int:
+    if not hasattr(args, "source") and not hasattr(args, "config"):
+        check(args)
+    if args.format == "gguf":
+        return _run_gguf(args)
     from .. import models
     from .apply import quantize_
     from .checkpoint import save_quantized
 
+    config = args.config
+    if args.group_size is None and getattr(config, "group_size", None):
+        print(f"lessmem quantize: --group-size not given: {config.group_size}, and 64 or 32 where "
+              f"{config.group_size} does not divide a layer's inputs", file=sys.stderr)
     model, tok = models.load(args.model)
-    calibration = Path(args.calibration) if args.calibration else None
-    rep = quantize_(model, config, calibration=calibration, tokenizer=tok, progress=not args.json)
-    save_quantized(model, args.out, tokenizer=tok)
-    size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
-    summary = {"model": args.model, "method": config.method, "bits": config.bits,
-               "group_size": config.group_size, "quantized_linears": rep["n_quantized"],
+    rep = quantize_(model, config, calibration=args.calibration, tokenizer=tok, progress=not args.json)
+    target, tmp = _fresh(args.out)
+    try:
+        save_quantized(model, target, tokenizer=tok)
+        _commit(args.out, target, tmp)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
+    summary = {"model": args.model, "method": config.method, "bits": getattr(config, "bits", 8),
+               "group_size": getattr(config, "group_size", None), "group_sizes_used": _group_counts(model),
+               "quantized_linears": rep["n_quantized"],
                "calibration": rep.get("calibration", {}).get("source", "none (no calibration)"),
-               "seconds": round(rep["seconds"], 1), "out": args.out, "out_bytes": size}
+               "seconds": round(rep["seconds"], 1), "out": str(args.out), "out_bytes": size}
     _print(summary, args.json)
     return 0
