@@ -9,9 +9,15 @@ from transformers import DynamicCache
 
 import lessmem
 from lessmem.kvcache import PRESETS, KVCache, KVConfig, enable
+from lessmem.kvcache.cache import cache_kwarg
 
 QUANTIZED = [p for p in PRESETS if p != "fp16"]
 CHUNKS = [100, 1, 1, 33, 7, 40, 1, 5, 1]  # prefill, single tokens, chunks; rest in one piece
+
+
+def generate(model, ids, cache, **kw):
+    """model.generate with ``cache`` under the keyword the installed transformers takes."""
+    return model.generate(ids, **{cache_kwarg(model): cache}, **kw)
 
 
 @pytest.mark.parametrize("arch,sliding", [("llama", None), ("qwen2", 48), ("mistral", 48)])
@@ -77,15 +83,14 @@ def test_generate_greedy_fp16_equals_dynamic_and_quantized_runs(llama):
     ids, mask = left_padded_ids(2, 40, [0, 5], seed=4)
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     ref = llama.generate(ids, **kw)
-    got = llama.generate(ids, past_key_values=KVCache(llama.config, "fp16"), **kw)
+    got = generate(llama, ids, KVCache(llama.config, "fp16"), **kw)
     assert torch.equal(got, ref)
     small = PRESETS["kivi-4"].replace(window=8)
     with enable(llama):
         cache = KVCache(llama.config, small)
-        q = llama.generate(ids, past_key_values=cache, **kw)
-        sampled = llama.generate(ids, past_key_values=KVCache(llama.config, "kivi-2"),
-                                 attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=5,
-                                 pad_token_id=0)
+        q = generate(llama, ids, cache, **kw)
+        sampled = generate(llama, ids, KVCache(llama.config, "kivi-2"), attention_mask=mask,
+                           max_new_tokens=6, do_sample=True, top_k=5, pad_token_id=0)
     assert q.shape == ref.shape and sampled.shape == (2, 46)
     assert cache.get_seq_length() == 51 and cache.memory()["codes"] > 0
 
@@ -94,11 +99,11 @@ def test_beam_search(llama):
     ids, mask = left_padded_ids(2, 30, [0, 4], seed=5)
     kw = dict(attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
     ref = llama.generate(ids, **kw)
-    got = llama.generate(ids, past_key_values=KVCache(llama.config, "fp16"), **kw)
+    got = generate(llama, ids, KVCache(llama.config, "fp16"), **kw)
     assert torch.equal(got, ref)
     cfg = PRESETS["kivi-4"].replace(window=4, block_size=32)
     with enable(llama):
-        out = llama.generate(ids, past_key_values=KVCache(llama.config, cfg), **kw)
+        out = generate(llama, ids, KVCache(llama.config, cfg), **kw)
     assert out.shape == ref.shape
 
 
@@ -142,6 +147,6 @@ def test_enable_is_reversible_and_falls_back_to_sdpa(llama):
         ref = llama(ids).logits
         with enable(llama):
             assert llama.config._attn_implementation == "lessmem"
-            got = llama(ids, past_key_values=DynamicCache()).logits  # plain tensors -> SDPA
+            got = llama(ids, **{cache_kwarg(llama): DynamicCache()}).logits  # plain tensors -> SDPA
     assert llama.config._attn_implementation == "sdpa"
     torch.testing.assert_close(got, ref)

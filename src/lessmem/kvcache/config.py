@@ -30,7 +30,11 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import math
+import numbers
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import numpy as np
 
 from ..formats.granularity import Granularity, PerGroup, PerToken
 
@@ -39,8 +43,52 @@ SLIDING = ("exact", "quantize")
 WINDOW_DTYPES = ("fp16", "bf16", "fp32", "model")
 
 
+class ConfigTypeError(TypeError, ValueError):
+    """A config field, argument or dict of the wrong type (``bits="4"``, ``rotate_keys="yes"``).
+
+    It is a TypeError, and also a ValueError so that code catching every bad config as
+    ValueError (the CLI does) still catches it."""
+
+
 def _allowed_granularity() -> str:
     return "PerGroup(G, axis=-2) (per channel, G tokens), PerToken(), PerGroup(g, axis=-1)"
+
+
+def _got(v) -> str:
+    return f" (got a {type(v).__name__})"
+
+
+def _check_int(name, v, lo=None) -> int:
+    """``v`` as a plain int; numpy integers are accepted, bool/str/float are not."""
+    bound = "" if lo is None else f" >= {lo}"
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ConfigTypeError(f"{name}={v!r}; allowed: an integer{bound}{_got(v)}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name}={v!r}; allowed: an integer{bound}")
+    return int(v)
+
+
+def _check_bool(name, v) -> bool:
+    """``v`` as a plain bool; numpy bools are accepted, 0/1, strings and None are not."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise ConfigTypeError(f"{name}={v!r}; allowed: True or False{_got(v)}")
+    return bool(v)
+
+
+def _check_keys(owner: str, d, names: list[str]) -> dict:
+    """``d`` as a dict holding exactly the keys ``to_dict`` writes (``names``)."""
+    if not isinstance(d, dict):
+        raise ConfigTypeError(f"{owner}.from_dict({d!r}); allowed: a dict as written by "
+                              f"{owner}.to_dict(){_got(d)}")
+    unknown = sorted(map(repr, set(d) - set(names)))
+    missing = [n for n in names if n not in d]
+    if unknown or missing:
+        found = "; ".join(s for s in (f"unknown keys {', '.join(unknown)}" if unknown else "",
+                                      f"missing keys {', '.join(missing)}" if missing else "") if s)
+        raise ValueError(f"{owner}.from_dict: {found}; allowed: exactly the keys {owner}.to_dict() "
+                         f"writes: {', '.join(names)} (for a partial config use {owner}(...) or "
+                         f"PRESETS[name].replace(...))")
+    return dict(d)
 
 
 @dataclass(frozen=True)
@@ -63,22 +111,29 @@ class KVTensorConfig:
     clip_ratio: float = 1.0
 
     def __post_init__(self):
-        if self.format not in FORMATS:
+        if not isinstance(self.format, str) or self.format not in FORMATS:
             raise ValueError(f"format={self.format!r}; allowed: {', '.join(FORMATS)}")
+        allowed_bits = {"none": (16,), "int": (2, 3, 4, 8), "uint": (2, 3, 4, 8),
+                        "lm": (2, 3, 4)}.get(self.format, (8,))
+        listed = ", ".join(map(str, allowed_bits))
+        if isinstance(self.bits, bool) or not isinstance(self.bits, numbers.Integral):
+            raise ConfigTypeError(f"bits={self.bits!r} for format {self.format!r}; allowed: an "
+                                  f"integer, one of {listed}{_got(self.bits)}")
+        object.__setattr__(self, "bits", int(self.bits))
         if self.format == "none":
-            return
-        allowed_bits = {"int": (2, 3, 4, 8), "uint": (2, 3, 4, 8), "lm": (2, 3, 4)}.get(self.format, (8,))
-        if isinstance(self.bits, bool) or self.bits not in allowed_bits:
-            raise ValueError(
-                f"bits={self.bits!r} for format {self.format!r}; allowed: "
-                f"{', '.join(map(str, allowed_bits))}"
-            )
+            return  # full precision: bits and granularity are not used
+        if self.bits not in allowed_bits:
+            raise ValueError(f"bits={self.bits!r} for format {self.format!r}; allowed: {listed}")
         g = self.granularity
         ok = isinstance(g, PerToken) or (isinstance(g, PerGroup) and g.axis in (-1, -2))
         if not ok:
             raise ValueError(f"granularity={g!r}; allowed: {_allowed_granularity()}")
-        if not isinstance(self.clip_ratio, (int, float)) or not 0.5 <= self.clip_ratio <= 1.0:
-            raise ValueError(f"clip_ratio={self.clip_ratio!r}; allowed: a number in [0.5, 1.0]")
+        c = self.clip_ratio
+        if isinstance(c, bool) or not isinstance(c, numbers.Real):
+            raise ConfigTypeError(f"clip_ratio={c!r}; allowed: a number in [0.5, 1.0]{_got(c)}")
+        if not (math.isfinite(c) and 0.5 <= c <= 1.0):
+            raise ValueError(f"clip_ratio={c!r}; allowed: a number in [0.5, 1.0]")
+        object.__setattr__(self, "clip_ratio", float(c))
 
     @property
     def quantized(self) -> bool:
@@ -114,18 +169,37 @@ class KVTensorConfig:
 
     @staticmethod
     def from_dict(d: dict) -> KVTensorConfig:
-        d = dict(d)
-        if isinstance(d.get("granularity"), dict):
-            d["granularity"] = Granularity.from_dict(d["granularity"])
+        """Inverse of ``to_dict``: exactly its keys (unknown or missing keys are an error)."""
+        d = _check_keys("KVTensorConfig", d, [f.name for f in fields(KVTensorConfig)])
+        g = d["granularity"]
+        if not isinstance(g, dict):
+            raise ConfigTypeError(f"granularity={g!r}; allowed: a dict as written by "
+                                  f"Granularity.to_dict(), e.g. {PerToken().to_dict()}{_got(g)}")
+        try:
+            d["granularity"] = Granularity.from_dict(g)
+        except TypeError as e:  # a known kind with unknown fields: PerGroup(**d) refuses them
+            raise ValueError(f"granularity={g!r}: {e}; allowed: a dict as written by "
+                             f"Granularity.to_dict(), e.g. {PerGroup(32).to_dict()}") from None
         return KVTensorConfig(**d)
 
 
 NONE = KVTensorConfig("none", 16)
 
 
-def _check_int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name}={v!r}; allowed: an integer >= {lo}")
+def _sequence(name: str, v) -> tuple:
+    """A tuple/list field as a tuple (a lone str, number or dict is refused, not iterated)."""
+    if not isinstance(v, (tuple, list, range)):
+        raise ConfigTypeError(f"{name}={v!r}; allowed: a tuple or list{_got(v)}")
+    return tuple(v)
+
+
+def _override(o) -> tuple:
+    """One ``layer_overrides`` entry as ``(layer, KVTensorConfig, KVTensorConfig)``."""
+    if not (isinstance(o, (tuple, list)) and len(o) == 3 and isinstance(o[1], KVTensorConfig)
+            and isinstance(o[2], KVTensorConfig)):
+        raise ConfigTypeError(f"layer_overrides entry {o!r}; allowed: (layer, KVTensorConfig, "
+                              "KVTensorConfig)")
+    return _check_int("layer_overrides layer", o[0], 0), o[1], o[2]
 
 
 @dataclass(frozen=True)
@@ -164,25 +238,21 @@ class KVConfig:
     window_dtype: str = "fp16"
 
     def __post_init__(self):
+        """Check every field (numpy ints/bools are stored as plain int/bool)."""
         for name in ("keys", "values"):
             if not isinstance(getattr(self, name), KVTensorConfig):
-                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: a KVTensorConfig")
-        _check_int("window", self.window, 0)
-        _check_int("sinks", self.sinks, 0)
-        _check_int("block_size", self.block_size, 1)
-        if self.sliding not in SLIDING:
-            raise ValueError(f"sliding={self.sliding!r}; allowed: {', '.join(SLIDING)}")
-        if self.window_dtype not in WINDOW_DTYPES:
-            raise ValueError(f"window_dtype={self.window_dtype!r}; allowed: {', '.join(WINDOW_DTYPES)}")
-        object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
-        for i in self.skip_layers:
-            _check_int("skip_layers entry", i, 0)
-        ovs = tuple(tuple(o) for o in self.layer_overrides)
+                raise ConfigTypeError(f"{name}={getattr(self, name)!r}; allowed: a KVTensorConfig")
+        for name, lo in (("window", 0), ("sinks", 0), ("block_size", 1), ("rotation_seed", 0)):
+            object.__setattr__(self, name, _check_int(name, getattr(self, name), lo))
+        for name in ("rotate_keys", "rotate_values"):
+            object.__setattr__(self, name, _check_bool(name, getattr(self, name)))
+        for name, allowed in (("sliding", SLIDING), ("window_dtype", WINDOW_DTYPES)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: {', '.join(allowed)}")
+        object.__setattr__(self, "skip_layers", tuple(
+            _check_int("skip_layers entry", i, 0) for i in _sequence("skip_layers", self.skip_layers)))
+        ovs = tuple(_override(o) for o in _sequence("layer_overrides", self.layer_overrides))
         object.__setattr__(self, "layer_overrides", ovs)
-        for o in ovs:
-            if len(o) != 3 or not isinstance(o[1], KVTensorConfig) or not isinstance(o[2], KVTensorConfig):
-                raise ValueError(f"layer_overrides entry {o!r}; allowed: (layer, KVTensorConfig, KVTensorConfig)")
-            _check_int("layer_overrides layer", o[0], 0)
         for _layer, k, v in ((None, self.keys, self.values), *ovs):
             for t in (k, v):
                 if t.per_channel and self.block_size % t.granularity.size:
@@ -258,12 +328,18 @@ class KVConfig:
 
     @staticmethod
     def from_dict(d: dict) -> KVConfig:
-        d = dict(d)
+        """Inverse of ``to_dict`` (JSON-safe: lists for tuples): exactly its keys, unknown
+        or missing keys are an error; the values are checked as the constructor checks them."""
+        d = _check_keys("KVConfig", d, [f.name for f in fields(KVConfig)])
         for name in ("keys", "values"):
-            if isinstance(d.get(name), dict):
+            if isinstance(d[name], dict):
                 d[name] = KVTensorConfig.from_dict(d[name])
-        d["skip_layers"] = tuple(d.get("skip_layers", ()))
-        d["layer_overrides"] = tuple(
-            (i, KVTensorConfig.from_dict(k), KVTensorConfig.from_dict(v))
-            for i, k, v in d.get("layer_overrides", ()))
+        overrides = []
+        for o in _sequence("layer_overrides", d["layer_overrides"]):
+            if not (isinstance(o, (list, tuple)) and len(o) == 3 and isinstance(o[1], dict)
+                    and isinstance(o[2], dict)):
+                raise ValueError(f"layer_overrides entry {o!r}; allowed: [layer, keys dict, "
+                                 "values dict] as written by to_dict()")
+            overrides.append((o[0], KVTensorConfig.from_dict(o[1]), KVTensorConfig.from_dict(o[2])))
+        d["layer_overrides"] = tuple(overrides)
         return KVConfig(**d)

@@ -21,6 +21,7 @@ that the fused attention reads directly.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import torch
@@ -33,6 +34,22 @@ from .config import KVConfig, KVTensorConfig
 from .view import LayerView, _rot_matrix
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def crop_to_length(tokens_to_remove, length: int) -> int:
+    """The length to keep for transformers' ``crop(tokens_to_remove)`` on ``length`` tokens.
+
+    A negative value removes that many tokens (what transformers passes), a positive one
+    is the final length (the older ``crop(max_length)``), 0 removes nothing. Anything
+    else (a non-integer, or more than ``length``) raises, naming what is allowed."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+        raise TypeError(f"crop({tokens_to_remove!r}); allowed: an integer (negative: tokens to "
+                        "remove, positive: the length to keep)")
+    n = int(tokens_to_remove)
+    if abs(n) > length:
+        raise ValueError(f"crop({n}): the cache holds {length} tokens; allowed: -{length}..-1 "
+                         f"(tokens to remove), 0, or 1..{length} (the length to keep)")
+    return length + n if n < 0 else (n or length)
 
 
 def _side(spec: KVTensorConfig, codes, scale, zp, head_dim) -> QuantSide:
@@ -223,11 +240,32 @@ class QuantizedKVLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (negative count, as transformers passes
         it) when they are still in full precision; cropping into the quantized history
-        raises ValueError (it would need re-quantization)."""
-        if tokens_to_remove > 0:
-            n = self.length - tokens_to_remove  # legacy: positive = final length
-        else:
-            n = -tokens_to_remove
+        raises ValueError (it would need re-quantization). A positive value is the
+        legacy form, a final length (see :func:`crop_to_length`); lessmem's own code calls
+        :meth:`truncate_to`."""
+        self.truncate_to(crop_to_length(tokens_to_remove, self.length))
+
+    def check_truncate(self, length: int) -> None:
+        """Raise ValueError, changing nothing, when :meth:`truncate_to` cannot keep
+        ``length`` tokens: beyond the length held, or cutting into the quantized history."""
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+            raise TypeError(f"length={length!r}; allowed: an integer 0..{self.length}")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length={length}: layer {self.layer_idx} holds {self.length} "
+                             f"tokens; allowed: 0..{self.length}")
+        n = self.length - length
+        win = self.window[0].shape[2] if self.quantized and self.is_initialized else n
+        if n > win and self.n_history:
+            raise ValueError(
+                f"cannot crop {n} tokens: only the {win} full-precision window tokens can be "
+                "removed; allowed: crop sizes up to the window length"
+            )
+
+    def truncate_to(self, length: int) -> None:
+        """Keep the first ``length`` tokens and drop the rest (only tokens still held in
+        full precision can go; see :meth:`check_truncate`, which runs first)."""
+        self.check_truncate(length)
+        n = self.length - int(length)
         if n <= 0 or not self.is_initialized:
             return
         if not self.quantized:
@@ -235,11 +273,6 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.length -= n
             return
         win = self.window[0].shape[2]
-        if n > win and self.n_history:
-            raise ValueError(
-                f"cannot crop {n} tokens: only the {win} full-precision window tokens can be "
-                "removed; allowed: crop sizes up to the window length"
-            )
         if n <= win:
             self.window = (self.window[0][:, :, : win - n], self.window[1][:, :, : win - n])
         else:

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 from ..formats.granularity import PerGroup, PerToken
-from .config import NONE, KVConfig, KVTensorConfig
+from .config import NONE, ConfigTypeError, KVConfig, KVTensorConfig
 
 
 def _t(fmt: str, bits: int, gran=None) -> KVTensorConfig:
@@ -62,6 +62,11 @@ def resolve(config) -> KVConfig:
     """A :class:`KVConfig` from a preset name or a KVConfig (returned as is)."""
     if isinstance(config, KVConfig):
         return config
-    if isinstance(config, str) and config in PRESETS:
-        return PRESETS[config]
-    raise ValueError(f"unknown KV preset {config!r}; allowed: {', '.join(sorted(PRESETS))}")
+    names = ", ".join(sorted(PRESETS))
+    if isinstance(config, str):
+        if config in PRESETS:
+            return PRESETS[config]
+        raise ValueError(f"unknown KV preset {config!r}; allowed: {names}")
+    hint = "; a dict: use KVConfig.from_dict(d)" if isinstance(config, dict) else ""
+    raise ConfigTypeError(f"KV config {config!r} (a {type(config).__name__}){hint}; allowed: a "
+                          f"preset name ({names}) or a KVConfig")
