@@ -13,7 +13,7 @@ zero points per (tg tokens × dg channels) group, as its
 :class:`~lessmem.formats.kvlayout.KVLayout` describes; dequantization is
 ``x = scale · (lut[c] − z)``.
 
-Paths: the C++ kernel (``attention_cpp.SOURCE``, OpenMP over batch × KV head × history
+Paths: the C++ kernel (``csrc/attention.cpp``, loaded by ``attention_cpp.load``, OpenMP over batch × KV head × history
 split, flash-style online softmax, codes unpacked inside the dot product); without a
 compiler, the torch fallback ``attention_torch.torch_attention`` (chunks of 256 tokens,
 the same online softmax). The test oracle, ``attention_reference``, dequantizes
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats.kvlayout import KVLayout
-from ._build import load_cpp
-from .attention_cpp import PACKING_IDS, SOURCE
+from . import attention_cpp
+from .attention_cpp import PACKING_IDS
 from .attention_torch import torch_attention
 
 
@@ -170,7 +170,7 @@ class SegmentedKV:
 
 
 def _module():
-    return load_cpp("lessmem_qattn", SOURCE, functions=["qattn_forward"], extra_cflags=["-fno-math-errno"])
+    return attention_cpp.load()
 
 
 def cpp_available() -> bool:

@@ -1,0 +1,326 @@
+// Fused dequant-attention CPU kernel over a quantized KV history (see kernels/attention_cpp.py
+// for the algorithm and kernels/attention.py for the Python entry points). Code rows are laid
+// out as lessmem.formats.kvlayout.KVLayout describes; built by kernels/_build.py.
+#include <torch/extension.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+constexpr int TILE = 32;
+// KVLayout.packing ids, given by the Python side (attention_cpp.PACKING_IDS) as -D flags
+#if !defined(LESSMEM_PACK_SPLIT) || !defined(LESSMEM_PACK_STREAM)
+#error "build with -DLESSMEM_PACK_SPLIT=<id> -DLESSMEM_PACK_STREAM=<id> (see kernels/attention_cpp.py)"
+#endif
+constexpr int PACK_SPLIT = LESSMEM_PACK_SPLIT, PACK_STREAM = LESSMEM_PACK_STREAM;
+const float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (softmax after max subtraction), vectorizable: 2^n · p(r) with
+// x = n·ln2 + r, |r| <= ln2/2, p a degree-6 Taylor/Horner polynomial (rel. err ~2e-7);
+// x < -87 (including -inf) gives exactly 0.
+inline float exp_neg(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f; p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+  const int32_t e = ((int32_t)n + 127) << 23;
+  float two_n; std::memcpy(&two_n, &e, 4);
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+// The history may arrive as segments (blocks fetched from different places, never
+// concatenated): segment i holds tokens [i·seg, i·seg + T_i), each with its own codes,
+// scales and zero points laid out as one contiguous [B, H, T_i, ·] stream; every segment
+// but the last has seg tokens (a multiple of tg).
+struct QSide {
+  std::vector<const uint8_t*> codes; std::vector<const at::Half*> scale;
+  std::vector<const uint8_t*> zp; std::vector<int64_t> T, R;  // per segment: tokens, scale rows
+  const float* lut;
+  int packing, bits, tg, dg, rb;  // rb: bytes per row
+  float zc;              // constant zero (symmetric int) when zp is absent
+  int64_t srow;          // scale entries per scale row = D / dg
+  int64_t seg;           // tokens per segment (all but the last)
+  bool has_zp;
+};
+
+// One token's D codes, as floats, from its packed row (see formats/kvlayout.py).
+inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* out) {
+  if (packing == PACK_SPLIT) {  // byte j: codes of channels j, j + D/p, ... (p = 8 / bits)
+    if (bits == 8) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) out[d] = (float)p[d];
+      return;
+    }
+    if (bits == 4) {
+      const int h = D / 2;
+#pragma omp simd
+      for (int j = 0; j < h; ++j) { out[j] = (float)(p[j] & 15); out[j + h] = (float)(p[j] >> 4); }
+      return;
+    }
+    if (bits == 2) {
+      const int q = D / 4;
+#pragma omp simd
+      for (int j = 0; j < q; ++j) {
+        const uint8_t b = p[j];
+        out[j] = (float)(b & 3); out[j + q] = (float)((b >> 2) & 3);
+        out[j + 2 * q] = (float)((b >> 4) & 3); out[j + 3 * q] = (float)(b >> 6);
+      }
+      return;
+    }
+    const int per = 8 / bits, n = D / per;  // any other bits dividing 8
+    const unsigned m = (1u << bits) - 1;
+    for (int i = 0; i < per; ++i)
+      for (int j = 0; j < n; ++j) out[i * n + j] = (float)((p[j] >> (bits * i)) & m);
+    return;
+  }
+  const unsigned mask = (1u << bits) - 1;  // PACK_STREAM: little-endian bit stream
+  for (int d = 0; d < D; ++d) {
+    const int bit = d * bits, byte = bit >> 3, sh = bit & 7;
+    unsigned w = p[byte];
+    if (sh + bits > 8) w |= (unsigned)p[byte + 1] << 8;
+    out[d] = (float)((w >> sh) & mask);
+  }
+}
+
+// Decoder of one (b, h) stream. Per-channel groups (tg > 1): the group's scales and
+// zero points are expanded to D floats once per tg tokens. Per-token groups (tg == 1):
+// each token's D/dg scales are applied group by group (x = s·c − s·z, one FMA).
+struct RowDecoder {
+  const QSide& q; int D; int64_t bh;
+  std::vector<float> s, z, c; int64_t cur = -1;
+  // the segment of the last token decoded: tokens [s0, s1), this (b, h) stream's bases
+  int64_t s0 = 0, s1 = 0; const uint8_t* cb = nullptr; const at::Half* sb = nullptr;
+  const uint8_t* zb = nullptr;
+  RowDecoder(const QSide& q_, int D_, int64_t bh_) : q(q_), D(D_), bh(bh_), s(D_), z(D_), c(D_) {}
+  inline void locate(int64_t t) {  // tokens arrive in increasing order: rarely called
+    const int64_t n = (int64_t)q.T.size();
+    int64_t i = q.seg > 0 ? t / q.seg : 0;
+    if (i >= n) i = n - 1;
+    s0 = i * q.seg; s1 = s0 + q.T[i];
+    cb = q.codes[i] + bh * q.T[i] * q.rb;
+    sb = q.scale[i] + bh * q.R[i] * q.srow;
+    zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
+  }
+  template <int DC>
+  inline void decode(int64_t t, float* __restrict__ out) {
+    const int D = DC > 0 ? DC : this->D;
+    float* __restrict__ cp = c.data();
+    if (t < s0 || t >= s1) locate(t);
+    const int64_t lt = t - s0;
+    unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
+    if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
+    const int64_t g = lt / q.tg, gg = t / q.tg;  // group within the segment / overall
+    const int ng = D / q.dg;
+    const at::Half* sp = sb + g * q.srow;
+    const uint8_t* zpp = zb ? zb + g * q.srow : nullptr;
+    if (q.tg > 1) {
+      if (gg != cur) {
+        float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
+        for (int k = 0; k < ng; ++k) {
+          const float a = (float)sp[k], b = zpp ? (float)zpp[k] : q.zc;
+          for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
+        }
+        cur = gg;
+      }
+      const float* __restrict__ sv = s.data(); const float* __restrict__ zv = z.data();
+#pragma omp simd
+      for (int d = 0; d < D; ++d) out[d] = sv[d] * cp[d] - zv[d];
+      return;
+    }
+    for (int k = 0; k < ng; ++k) {
+      const float a = (float)sp[k];
+      const float az = a * (zpp ? (float)zpp[k] : q.zc);
+      const int d0 = k * q.dg, d1 = d0 + q.dg;
+#pragma omp simd
+      for (int d = d0; d < d1; ++d) out[d] = a * cp[d] - az;
+    }
+  }
+};
+
+// codes[i] [B, H, T_i, rb] uint8, scale[i] fp16 and zp[i] uint8 (empty list: none)
+// [B, H, ceil(T_i / tg), D / dg]; all contiguous (checked by the Python caller).
+QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scale,
+                const std::vector<torch::Tensor>& zp, const torch::Tensor& lut, int64_t packing, int64_t bits,
+                int64_t tg, int64_t dg, double zc, int D, int64_t seg, std::vector<torch::Tensor>& keep) {
+  QSide s;
+  s.has_zp = !zp.empty();
+  TORCH_CHECK(!codes.empty() && codes.size() == scale.size() && (!s.has_zp || zp.size() == codes.size()),
+              "qattn: each side needs as many scale (and zero point) tensors as code tensors");
+  // a part that is not contiguous (or scales not fp16) is converted here and kept alive
+  auto fit = [&keep](const torch::Tensor& t, c10::ScalarType dt) -> const torch::Tensor& {
+    if (t.scalar_type() == dt && t.is_contiguous()) return t;
+    keep.push_back(t.to(dt).contiguous());
+    return keep.back();
+  };
+  for (size_t i = 0; i < codes.size(); ++i) {
+    s.codes.push_back(fit(codes[i], torch::kUInt8).data_ptr<uint8_t>());
+    s.scale.push_back(fit(scale[i], torch::kFloat16).data_ptr<at::Half>());
+    s.zp.push_back(s.has_zp ? fit(zp[i], torch::kUInt8).data_ptr<uint8_t>() : nullptr);
+    s.T.push_back(codes[i].size(2));
+    s.R.push_back(scale[i].size(2));
+  }
+  s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
+  TORCH_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
+  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
+  s.rb = (int)codes[0].size(3); s.srow = D / dg; s.seg = seg;
+  return s;
+}
+}  // namespace
+
+// Full-precision part (sinks, window, current chunk): float rows [B, Hkv, Lf, D] read
+// directly, scored with the unrotated queries; "causal": row tq sees fp token j only
+// when j <= Lf - Tq + tq (the current chunk is the last Tq fp tokens).
+struct FpPart {
+  const float* k = nullptr; const float* v = nullptr; const float* q = nullptr;
+  const float* mask = nullptr; int64_t L = 0; bool causal = false;
+};
+
+template <int DC>
+void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t Hq, int64_t Tq,
+               int64_t Hkv, int64_t T, int64_t nsplit,
+               const float* qp, const float* mp, const FpPart& F,
+               float* pmp, float* plp, float* pap) {
+  const int64_t D = DC > 0 ? DC : Drt;
+  const int64_t nrep = Hq / Hkv, rows = nrep * Tq;
+  const int64_t per = T > 0 ? (T + nsplit - 1) / nsplit : 0;
+  const int64_t nitem = nsplit + 1;  // the last split of each (b, h) is the fp part
+  const int64_t items = B * Hkv * nitem;
+
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t sp = it % nitem, bh = it / nitem, b = bh / Hkv, h = bh % Hkv;
+    const bool fp = sp == nsplit;
+    const int64_t t0 = fp ? 0 : sp * per;
+    const int64_t t1 = fp ? F.L : std::min(T, t0 + per);
+    if (t0 >= t1) continue;
+    RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
+    std::vector<float> kf(D), vf(D), sc(rows * TILE);
+    const float* qbase = fp ? F.q : qp;
+    float* m = pmp + it * rows; float* l = plp + it * rows; float* acc = pap + it * rows * D;
+    for (int64_t ts = t0; ts < t1; ts += TILE) {
+      const int64_t n = std::min<int64_t>(TILE, t1 - ts);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = ts + i;
+        const float* __restrict__ kp;
+        if (fp) kp = F.k + (bh * F.L + t) * D;
+        else { kd.template decode<DC>(t, kf.data()); kp = kf.data(); }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
+          const float* __restrict__ qr = qbase + ((b * Hq + hq) * Tq + tq) * D;
+          float s = 0.f;
+#pragma omp simd reduction(+:s)
+          for (int64_t d = 0; d < D; ++d) s += qr[d] * kp[d];
+          if (fp) {
+            if (F.mask) s += F.mask[(b * Tq + tq) * F.L + t];
+            if (F.causal && t > F.L - Tq + tq) s = NEG_INF;
+          } else if (mp) {
+            s += mp[(b * Tq + tq) * T + t];
+          }
+          sc[r * TILE + i] = s;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float mx = NEG_INF;
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[r * TILE + i]);
+        if (mx == NEG_INF) { for (int64_t i = 0; i < n; ++i) sc[r * TILE + i] = 0.f; continue; }
+        const float mnew = std::max(m[r], mx);
+        const float corr = (m[r] == NEG_INF) ? 0.f : std::exp(m[r] - mnew);
+        if (corr != 1.f) { l[r] *= corr; for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= corr; }
+        m[r] = mnew;
+        float sum = 0.f;
+        float* __restrict__ srow = sc.data() + r * TILE;
+#pragma omp simd reduction(+:sum)
+        for (int64_t i = 0; i < n; ++i) { const float p = exp_neg(srow[i] - mnew); srow[i] = p; sum += p; }
+        l[r] += sum;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = ts + i;
+        const float* __restrict__ vp;
+        if (fp) vp = F.v + (bh * F.L + t) * D;
+        else { vd.template decode<DC>(t, vf.data()); vp = vf.data(); }
+        for (int64_t r = 0; r < rows; ++r) {
+          const float p = sc[r * TILE + i];
+          if (p == 0.f) continue;
+          float* __restrict__ a = acc + r * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vp[d];
+        }
+      }
+    }
+  }
+}
+
+// Returns {out_h, out_f, lse}: the quantized-history and full-precision contributions,
+// both already divided by the joint softmax denominator, so out = out_f + R_vᵀ·out_h.
+// The history of each side is a list of segments (see QSide); seg = tokens per segment.
+std::vector<torch::Tensor> qattn_forward(
+    torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> ks,
+    std::vector<torch::Tensor> kz, torch::Tensor klut, int64_t kpack, int64_t kbits, int64_t ktg, int64_t kdg,
+    double kzc, std::vector<torch::Tensor> vc, std::vector<torch::Tensor> vs, std::vector<torch::Tensor> vz,
+    torch::Tensor vlut, int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, int64_t seg,
+    torch::Tensor mask, int64_t nsplit,
+    torch::Tensor qf, torch::Tensor kfp, torch::Tensor vfp, torch::Tensor maskf, bool causal) {
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = kc[0].size(1);
+  int64_t T = 0;
+  for (const auto& c : kc) T += c.size(2);
+  const int64_t rows = (Hq / Hkv) * Tq;
+  std::vector<torch::Tensor> keep;
+  keep.reserve(3 * (kc.size() + vc.size()));  // no reallocation: QSide holds raw pointers
+  const QSide K = make_side(kc, ks, kz, klut, kpack, kbits, ktg, kdg, kzc, (int)D, seg, keep);
+  const QSide V = make_side(vc, vs, vz, vlut, vpack, vbits, vtg, vdg, vzc, (int)D, seg, keep);
+  const float* qp = q.data_ptr<float>();
+  const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
+  FpPart F;
+  if (kfp.numel()) {
+    F.k = kfp.data_ptr<float>(); F.v = vfp.data_ptr<float>(); F.q = qf.data_ptr<float>();
+    F.mask = maskf.numel() ? maskf.data_ptr<float>() : nullptr; F.L = kfp.size(2); F.causal = causal;
+  }
+  if (nsplit < 1) nsplit = 1;
+  const int64_t nitem = nsplit + 1;
+  auto pm = torch::full({B, Hkv, nitem, rows}, NEG_INF, torch::kFloat32);
+  auto pl = torch::zeros({B, Hkv, nitem, rows}, torch::kFloat32);
+  auto pa = torch::zeros({B, Hkv, nitem, rows, D}, torch::kFloat32);
+  float* pmp = pm.data_ptr<float>(); float* plp = pl.data_ptr<float>(); float* pap = pa.data_ptr<float>();
+  if (D == 64) run_items<64>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
+  else if (D == 128) run_items<128>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
+  else run_items<0>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
+  // merge: M = max_s m_s, L = Σ_s l_s e^{m_s − M}, out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
+  auto out_h = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
+  auto out_f = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
+  auto lse = torch::full({B, Hq, Tq}, NEG_INF, torch::kFloat32);
+  float* ohp = out_h.data_ptr<float>(); float* ofp = out_f.data_ptr<float>(); float* lp = lse.data_ptr<float>();
+  const int64_t nrep = Hq / Hkv;
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
+    const int64_t b = bh / Hkv, h = bh % Hkv;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
+      float M = NEG_INF;
+      for (int64_t s = 0; s < nitem; ++s) M = std::max(M, pmp[(bh * nitem + s) * rows + r]);
+      if (M == NEG_INF) continue;
+      float L = 0.f;
+      for (int64_t s = 0; s < nitem; ++s) {
+        const int64_t base = (bh * nitem + s) * rows + r;
+        if (pmp[base] != NEG_INF) L += plp[base] * std::exp(pmp[base] - M);
+      }
+      const int64_t o = ((b * Hq + hq) * Tq + tq) * D;
+      for (int64_t s = 0; s < nitem; ++s) {
+        const int64_t base = (bh * nitem + s) * rows + r;
+        if (pmp[base] == NEG_INF) continue;
+        const float w = std::exp(pmp[base] - M) / L;
+        float* dst = (s == nsplit ? ofp : ohp) + o;
+        const float* a = pap + base * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += a[d] * w;
+      }
+      lp[(b * Hq + hq) * Tq + tq] = M + std::log(L);
+    }
+  }
+  return {out_h, out_f, lse};
+}
