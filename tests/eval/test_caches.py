@@ -66,6 +66,7 @@ def test_quanto_peer_bytes(model):
     assert mem["fp16_equivalent"] == 2 * 2 * 200 * 64 * 2
 
 
+@pytest.mark.skipif("hf-fp8" not in available_peers(), reason="this transformers has no fp8 QuantizedCache")
 def test_fp8_peer_runs_in_protocol(model):
     tok = tiny_tokenizer()
     r = {x["config"]: x for x in evaluate(model, tok, ["hf-fp8"], TEXT, 1, 64, 8)}["hf-fp8"]
@@ -96,20 +97,21 @@ def test_expand_kv_keywords():
     assert expand_kv(None, full=True) == list(MAIN_PRESETS)
 
 
-def test_default_eval_is_the_quick_run_and_full_is_the_main_table():
+def test_default_eval_is_the_quick_run_and_full_is_the_main_table(model, tmp_path):
     from lessmem.cli import build_parser
     from lessmem.eval.cli import FULL_PROTOCOL, MAIN_PRESETS, QUICK_PRESETS, QUICK_PROTOCOL, check
 
-    quick = build_parser("eval").parse_args(["eval", "--model", "/no/such/model"])
+    model.save_pretrained(tmp_path)  # checked (its config read), never loaded
+    quick = build_parser("eval").parse_args(["eval", "--model", str(tmp_path)])
     check(quick)
     assert [s.name for s in quick.configs] == list(QUICK_PRESETS)
     assert (quick.windows, quick.window_len) == QUICK_PROTOCOL == (1, 512)
-    full = build_parser("eval").parse_args(["eval", "--model", "/no/such/model", "--full"])
+    full = build_parser("eval").parse_args(["eval", "--model", str(tmp_path), "--full"])
     check(full)
     assert [s.name for s in full.configs] == list(MAIN_PRESETS)
     assert (full.windows, full.window_len) == FULL_PROTOCOL == (2, 1024)
     # an explicit option still wins over --full
-    mixed = build_parser("eval").parse_args(["eval", "--model", "/no/such/model", "--full",
+    mixed = build_parser("eval").parse_args(["eval", "--model", str(tmp_path), "--full",
                                              "--kv", "int4", "--windows", "3"])
     check(mixed)
     assert [s.name for s in mixed.configs] == ["int4"] and (mixed.windows, mixed.window_len) == (3, 1024)
@@ -140,3 +142,13 @@ def test_cache_kwarg_is_the_one_the_installed_forward_takes(arch):
             m.generate(torch.tensor([[1, 2, 3]]), **{kw: DynamicCache(config=m.config)},
                        max_new_tokens=2, do_sample=False)
     assert out.logits.shape[1] == 4 and cache.get_seq_length() == 4
+
+
+def test_a_peer_backend_this_transformers_lacks_is_refused_by_name(monkeypatch):
+    from transformers import cache_utils
+
+    monkeypatch.delattr(cache_utils, "Fp8QuantizedLayer", raising=False)
+    assert "hf-fp8" not in available_peers()
+    with pytest.raises(ValueError, match="peer cache 'hf-fp8' needs transformers' fp8 QuantizedCache "
+                                         "backend, which transformers .* does not have"):
+        resolve_config("hf-fp8")

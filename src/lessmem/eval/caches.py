@@ -81,9 +81,26 @@ def _module_available(name: str | None) -> bool:
         return False
 
 
+def _backend_missing(name: str) -> str | None:
+    """Why peer ``name`` cannot run here (None: it can): its package is not installed, or
+    the installed transformers has no such ``QuantizedCache`` backend (``fp8`` is newer
+    than the oldest transformers lessmem supports)."""
+    backend, _, pkg = PEERS[name]
+    if not _module_available(pkg):
+        return f"needs the {pkg!r} package, which is not installed"
+    if backend == "fp8":
+        import transformers
+        from transformers import cache_utils
+
+        if not hasattr(cache_utils, "Fp8QuantizedLayer"):
+            return (f"needs transformers' fp8 QuantizedCache backend, which transformers "
+                    f"{transformers.__version__} does not have")
+    return None
+
+
 def available_peers() -> list[str]:
     """Peer cache names whose backend is installed here."""
-    return [n for n, (_, _, pkg) in PEERS.items() if _module_available(pkg)]
+    return [n for n in PEERS if _backend_missing(n) is None]
 
 
 def lessmem_presets() -> dict:
@@ -129,8 +146,9 @@ def resolve_config(config) -> CacheSpec:
             return CacheSpec(BASELINE, _dynamic, "baseline", {"cache": "transformers.DynamicCache"})
         if name in PEERS:
             backend, nbits, pkg = PEERS[name]
-            if not _module_available(pkg):
-                raise ValueError(f"peer cache {name!r} needs the {pkg!r} package, which is not installed")
+            missing = _backend_missing(name)
+            if missing:
+                raise ValueError(f"peer cache {name!r} {missing}")
             detail = {"cache": "transformers.QuantizedCache", "backend": backend, "nbits": nbits}
             return CacheSpec(name, _peer_factory(backend, nbits), "peer", detail)
         presets = lessmem_presets()
