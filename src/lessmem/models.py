@@ -101,18 +101,10 @@ def tiny_random(
 
     _check_tiny_shape(arch, hidden_size, num_heads, num_kv_heads, sliding_window)
     config = _tiny_config(transformers, arch, sliding_window, dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-        tie_word_embeddings=False,
-    ))
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+        bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False))
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
