@@ -176,3 +176,30 @@ def test_kill_9_during_async_writes_loses_nothing_acknowledged(tmp_path):
         i = int(key[3:])
         assert b["i"].item() == i and torch.equal(b["x"], torch.full((20000,), float(i)))
     assert t.stats.corrupt == 0
+
+
+def test_a_forked_child_takes_its_own_lock(tmp_path):
+    import multiprocessing as mp
+
+    t = DiskTier(tmp_path)
+    t.put("a", blk(1))
+
+    def child(q):  # the parent holds the store lock now: the child must not get it too
+        import fcntl
+
+        try:
+            fcntl.flock(t.store._lock_fd(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            q.put("got the lock")
+        except BlockingIOError:
+            q.put("excluded")
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with t.store.locked():
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        got = q.get(timeout=60)
+        p.join(60)
+    assert got == "excluded"
+    t.close()
+    assert t.nbytes == _on_disk(tmp_path)

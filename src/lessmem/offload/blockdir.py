@@ -116,12 +116,12 @@ class BlockDir:
         self.client = secrets.token_hex(8)
         self.sessions: set[str] = set()
         self._last_check = 0.0
-        self._cfd = -1
-        self._finalizer = weakref.finalize(self, _close_fds, [self._fd])
+        self._pid = os.getpid()
+        self._fds = [self._fd]  # closed when the store is closed or garbage-collected
+        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
         with self.locked():
             self._cfd = self._open_private(os.path.join(self.clients, self.client), excl=True)
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close_fds, [self._fd, self._cfd])
+            self._fds.append(self._cfd)
             fcntl.flock(self._cfd, fcntl.LOCK_EX)
 
     @staticmethod
@@ -145,7 +145,7 @@ class BlockDir:
     def locked(self):
         """Exclusive across threads and processes; ``self.used`` is the shared byte count."""
         with self._tlock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            fcntl.flock(self._lock_fd(), fcntl.LOCK_EX)
             try:
                 rec = os.pread(self._fd, _RECORD, 0).split()
                 if len(rec) == 2 and rec[1] == b"0" and rec[0].isdigit():
@@ -158,13 +158,24 @@ class BlockDir:
                 self._record(0)
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    def _lock_fd(self) -> int:
+        """The lock file's descriptor; a forked child opens its own (a flock is shared by
+        every process holding the same open file, so the inherited one excludes nothing)."""
+        if os.getpid() != self._pid:
+            self._fd = self._open_private(os.path.join(self.root, "lock"))
+            self._fds.append(self._fd)
+            self._pid = os.getpid()
+        return self._fd
+
     def _record(self, dirty: int) -> None:
         os.pwrite(self._fd, f"{max(self.used, 0)} {dirty}".ljust(_RECORD - 1).encode() + b"\n", 0)
 
     def usage(self) -> int:
-        """Bytes all blocks in the directory use (as last recorded)."""
+        """Bytes all blocks in the directory use (as last recorded; counted when closed)."""
+        if not self._finalizer.alive:
+            return sum(size for _, _, size in self._listing()[0])
         with self._tlock:
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            fcntl.flock(self._lock_fd(), fcntl.LOCK_SH)
             try:
                 rec = os.pread(self._fd, _RECORD, 0).split()
             finally:
