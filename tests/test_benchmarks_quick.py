@@ -1,5 +1,18 @@
-"""CI runs every benchmark in --quick mode so none of them rots."""
+"""Every benchmark runs in --quick mode (so none of them rots), and what it writes is checked.
 
+Each benchmark first checks its fast path against a reference and records what it found
+(bit-exactness, the largest error, pass flags). A result is accepted only when it has the
+keys a reader of ``benchmarks/results/*.json`` relies on, with the right types, and its
+correctness fields say the check passed. The same checks run (fast, not marked slow) on
+the recorded full-run results in ``benchmarks/results/``, and on broken copies of them,
+which they must reject.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +20,267 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+RESULTS = BENCH / "results"
 SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
+NUM = (int, float)
+
+
+# ----------------------------------------------------------------- small checking helpers
+
+def need(d: dict, key: str, types, where: str):
+    """``d[key]``, which must exist and be one of ``types`` (bool is not a number here)."""
+    assert isinstance(d, dict), f"{where}: expected an object, got {type(d).__name__}"
+    assert key in d, f"{where}: missing key {key!r} (has {sorted(d)})"
+    v = d[key]
+    if types is NUM or types in (int, float):
+        assert not isinstance(v, bool), f"{where}.{key}: a bool where a number belongs"
+    assert isinstance(v, types), f"{where}.{key} = {v!r}: expected {types}"
+    return v
+
+
+def positive(d: dict, key: str, where: str) -> float:
+    v = need(d, key, NUM, where)
+    assert math.isfinite(v) and v > 0, f"{where}.{key} = {v!r}: expected a finite number > 0"
+    return v
+
+
+def fraction(d: dict, key: str, where: str) -> float:
+    v = need(d, key, NUM, where)
+    assert 0 <= v <= 1, f"{where}.{key} = {v!r}: expected a value in [0, 1]"
+    return v
+
+
+def check_header(data: dict) -> dict:
+    h = need(data, "header", dict, "result")
+    for key, types in (("device", str), ("cuda", bool), ("torch", str), ("threads", int),
+                       ("python", str), ("time", str)):
+        need(h, key, types, "header")
+    return h
+
+
+def check_quality(row: dict, where: str) -> None:
+    """ppl / KLD / top-1 of a perplexity row."""
+    assert positive(row, "ppl", where) >= 1, f"{where}: ppl below 1"
+    kld = need(row, "kld", NUM, where)
+    assert math.isfinite(kld) and kld >= 0, f"{where}.kld = {kld!r}"
+    fraction(row, "top1", where)
+    assert need(row, "tokens_scored", int, where) > 0
+    assert math.isfinite(need(row, "delta_ppl_pct", NUM, where))
+
+
+def _gguf_installed() -> bool:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------- one checker per benchmark
+
+def check_formats(data: dict, fresh: bool) -> None:
+    check_header(data)
+    positive(data, "baseline_cast_gbps", "result")
+    rows = need(data, "results", list, "result")
+    assert len(rows) >= 18, f"{len(rows)} formats; expected the 18 non-GGUF ones at least"
+    for i, r in enumerate(rows):
+        w = f"results[{i}]"
+        for key in ("format", "name", "granularity"):
+            need(r, key, str, w)
+        assert need(r, "nbytes", int, w) > 0
+        for key in ("bits_per_element", "snr_db", "quant_gbps", "dequant_gbps", "quant_s", "dequant_s"):
+            positive(r, key, w)
+        check = need(r, "check", str, w)  # what the reference check compared (it passed)
+        assert check and (not check.startswith("skipped") or not _gguf_installed()), f"{w}: {check}"
+        if r["name"].startswith("q") and _gguf_installed():
+            assert "dequantize == gguf.quants.dequantize" in check, f"{w}: {check}"
+
+
+def check_gguf_linear(data: dict, fresh: bool) -> None:
+    h = check_header(data)
+    types = need(h, "types", list, "header")
+    need(h, "cpp_kernel", bool, "header")
+    rows = need(data, "rows", list, "result")
+    assert rows, "no rows"
+    for i, r in enumerate(rows):
+        w = f"rows[{i}]"
+        for key in ("in_features", "out_features", "threads"):
+            assert need(r, key, int, w) > 0
+        positive(r, "fp32_ms", w)
+        ran = [t for t in types if t not in need(r, "skipped", list, w)]
+        assert ran, f"{w}: every type skipped"
+        for t in ran:
+            positive(r, f"{t}_ms", w)
+            positive(r, f"{t}_speedup", w)
+            assert need(r, f"{t}_bytes", int, w) > 0
+            err = need(r, f"{t}_ref_rel_err", NUM, w)  # kernel vs float64 reference
+            assert 0 <= err <= 1e-5, f"{w}: {t} relative error {err} vs the reference"
+
+
+def check_linear(data: dict, fresh: bool) -> None:
+    h = check_header(data)
+    variants = need(h, "variants", list, "header")
+    assert variants
+    rows = need(data, "rows", list, "result")
+    assert rows, "no rows"
+    for i, r in enumerate(rows):
+        w = f"rows[{i}]"
+        for key in ("in_features", "out_features", "batch", "threads"):
+            assert need(r, key, int, w) > 0
+        positive(r, "fp32_ms", w)
+        for v in variants:
+            positive(r, f"{v}_ms", w)
+            positive(r, f"{v}_speedup", w)
+            layout = need(r, f"{v}_layout", str, w)
+            err = need(r, f"{v}_ref_rel_err", NUM, w)
+            tol = 2e-2 if layout == "int4pack" else 1e-4  # the benchmark's own tolerances
+            assert 0 <= err <= tol, f"{w}: {v} ({layout}) relative error {err} > {tol}"
+
+
+def check_kv_decode(data: dict, fresh: bool) -> None:
+    check_header(data)
+    err = need(data, "fused_vs_reference_max_abs", NUM, "result")
+    assert 0 <= err <= 1e-2, f"fused vs reference logits differ by {err}"
+    rows = need(data, "rows", list, "result")
+    assert rows and rows[0].get("cache") == "DynamicCache" and rows[0].get("ratio") == 1.0, rows[:1]
+    fused = 0
+    for i, r in enumerate(rows):
+        w = f"rows[{i}]"
+        name = need(r, "cache", str, w)
+        for key in ("step_s", "tok_per_s", "ratio", "cpu_step_s", "cpu_ratio"):
+            positive(r, key, w)
+        if name.endswith("(fused)"):
+            fused += 1
+            assert need(r, "kv_bytes", int, w) > 0
+            assert positive(r, "compression", w) > 1, f"{w}: a quantized cache no smaller than fp16"
+            assert 0 < positive(r, "k_bits", w) <= 16 and 0 < positive(r, "v_bits", w) <= 16
+    assert fused, "no lessmem (fused) row"
+
+
+def check_offload(data: dict, fresh: bool) -> None:
+    check_header(data)
+    contexts = need(data, "contexts", list, "result")
+    assert contexts, "no contexts"
+    for i, c in enumerate(contexts):
+        w = f"contexts[{i}]"
+        assert need(c, "context", int, w) > 0
+        assert need(c, "bit_exact", bool, w), f"{w}: tiered logits differ from the in-memory cache"
+        assert need(c, "cache_bytes", int, w) > 0
+        variants = need(c, "variants", dict, w)
+        assert set(variants) == {"memory", "tiered+prefetch", "tiered"}, sorted(variants)
+        for name, v in variants.items():
+            vw = f"{w}.variants[{name!r}]"
+            for key in ("ms_per_token", "tok_s", "ratio_vs_memory"):
+                positive(v, key, vw)
+            if name == "memory":
+                continue
+            need(v, "prefetch_mode", (str, type(None)), vw)
+            budget, peak = need(v, "device_budget", int, vw), need(v, "device_peak", int, vw)
+            assert need(v, "within_budget", bool, vw) and peak <= budget, f"{vw}: {peak} > {budget}"
+            assert 0 < fraction(v, "disk_share", vw), f"{vw}: nothing was offloaded to disk"
+            assert need(v, "disk_bytes", int, vw) > 0
+            need(v, "disk_read_gbps", NUM, vw)
+            need(v, "prefetch", dict, vw)
+
+
+def check_weights_quality(data: dict, fresh: bool) -> None:
+    check_header(data)
+    results = need(data, "results", list, "result")
+    assert results, "no results"
+    for i, res in enumerate(results):
+        w = f"results[{i}]"
+        need(res, "model", str, w)
+        proto = need(res, "protocol", dict, w)
+        for key in ("windows", "window_len", "prefill"):
+            assert need(proto, key, int, f"{w}.protocol") > 0
+        if fresh or "kv_evaluator_check" in proto:  # recorded before that check existed: absent
+            check = need(proto, "kv_evaluator_check", dict, f"{w}.protocol")
+            rel = need(check, "rel_diff", NUM, f"{w}.protocol.kv_evaluator_check")
+            assert 0 <= rel <= 1e-3, f"{w}: window-0 ppl differs from the KV evaluator's by {rel}"
+        rows = need(res, "rows", list, w)
+        assert len(rows) >= 2 and rows[0].get("row") == "fp32 reference", [r.get("row") for r in rows]
+        assert rows[0]["delta_ppl_pct"] == 0.0 and rows[0]["top1"] == 1.0 and rows[0]["kld"] == 0.0
+        for j, r in enumerate(rows):
+            rw = f"{w}.rows[{j}] ({r.get('row')})"
+            need(r, "row", str, rw)
+            check_quality(r, rw)
+            for key in ("bpw_block_linears", "bpw_all_linears", "decode_ratio"):
+                positive(r, key, rw)
+            assert need(r, "disk_bytes", int, rw) > 0
+            if j:
+                assert r["bpw_block_linears"] < 32, f"{rw}: not quantized"
+
+
+def check_kv_quality(data: dict, fresh: bool) -> None:
+    check_header(data)
+    need(data, "protocol", dict, "result")
+    rows = need(data, "rows", list, "result")
+    by_name = {need(r, "config", str, f"rows[{i}]"): r for i, r in enumerate(rows)}
+    assert "dynamic" in by_name and len(by_name) >= 2, sorted(by_name)
+    base = by_name["dynamic"]
+    assert base["kld"] == 0.0 and base["top1"] == 1.0 and base["delta_ppl_pct"] == 0.0, base
+    for i, r in enumerate(rows):
+        w = f"rows[{i}] ({r['config']})"
+        need(r, "kind", str, w)
+        check_quality(r, w)
+        for key in ("k_bits", "v_bits", "compression", "tok_per_s"):
+            positive(r, key, w)
+        assert need(r, "kv_bytes", int, w) > 0
+    for i, t in enumerate(need(data, "targets", list, "result")):  # the issue's quality targets
+        assert need(t, "pass", bool, f"targets[{i}]"), f"target missed: {t}"
+    passkey = data.get("passkey", None)
+    if fresh or passkey is not None:
+        for name, r in need(need(data, "passkey", dict, "result"), "results", dict, "passkey").items():
+            w = f"passkey.results[{name!r}]"
+            found, trials = need(r, "found", int, w), need(r, "trials", int, w)
+            assert 0 <= found <= trials and trials > 0, r
+            assert fraction(r, "accuracy", w) == pytest.approx(found / trials)
+
+
+def check_contention(data: dict, fresh: bool) -> None:
+    check_header(data)
+    variants = need(data, "variants", dict, "result")
+    assert {"passive", "spin"} <= set(variants), sorted(variants)
+    for name, v in variants.items():
+        w = f"variants[{name!r}]"
+        assert need(v, "threads", int, w) > 0
+        alone, cont = positive(v, "alone_tok_s", w), positive(v, "contended_tok_s", w)
+        assert positive(v, "contended_vs_alone", w) == pytest.approx(cont / alone)
+    s = need(data, "summary", dict, "result")
+    positive(s, "contended_vs_alone", "summary")
+    positive(s, "passive_vs_spin_contended", "summary")
+    assert need(s, "openmp_runtimes", int, "summary") >= 1
+
+
+CHECKS = {  # benchmark script -> checker of the JSON it writes
+    "bench_formats.py": check_formats,
+    "bench_gguf_linear.py": check_gguf_linear,
+    "bench_linear.py": check_linear,
+    "bench_kv_decode.py": check_kv_decode,
+    "bench_offload.py": check_offload,
+    "bench_weights_quality.py": check_weights_quality,
+    "bench_kv_quality.py": check_kv_quality,
+    "bench_contention.py": check_contention,
+}
+RECORDED = {  # recorded full-run result -> its benchmark
+    "bench_formats.json": "bench_formats.py",
+    "bench_gguf_linear.json": "bench_gguf_linear.py",
+    "bench_linear.json": "bench_linear.py",
+    "kv_decode.json": "bench_kv_decode.py",
+    "offload.json": "bench_offload.py",
+    "offload_b1024.json": "bench_offload.py",
+    "bench_weights_quality_smollm2-135m.json": "bench_weights_quality.py",
+    "bench_weights_quality_wiki-byte-llama.json": "bench_weights_quality.py",
+    "bench_kv_quality.json": "bench_kv_quality.py",
+    "bench_kv_quality_16w.json": "bench_kv_quality.py",
+    "bench_contention.json": "bench_contention.py",
+}
+
+
+# ----------------------------------------------------------------- the tests
+
+def test_every_benchmark_has_a_result_check():
+    assert sorted(CHECKS) == SCRIPTS, "a benchmark without a result check (add one to CHECKS)"
 
 
 @pytest.mark.slow
@@ -20,3 +293,53 @@ def test_benchmark_quick(script, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert out.exists() and out.stat().st_size > 2
+    CHECKS[script](json.loads(out.read_text()), fresh=True)
+
+
+@pytest.mark.parametrize("name", [n for n in RECORDED if (RESULTS / n).is_file()])
+def test_recorded_results_pass_the_same_checks(name):
+    CHECKS[RECORDED[name]](json.loads((RESULTS / name).read_text()), fresh=False)
+
+
+def _set(path: tuple, value):
+    def edit(d):
+        for k in path[:-1]:
+            d = d[k]
+        if value is KeyError:
+            del d[path[-1]]
+        else:
+            d[path[-1]] = value
+    return edit
+
+
+BROKEN = [  # (recorded file, an edit that a broken benchmark could have made)
+    ("offload.json", _set(("contexts", 0, "bit_exact"), False)),
+    ("offload.json", _set(("contexts", 1, "variants", "tiered", "device_peak"), 10**12)),
+    ("offload.json", _set(("contexts", 0, "variants", "tiered+prefetch", "tok_s"), float("nan"))),
+    ("bench_gguf_linear.json", _set(("rows", 0, "q4_0_ref_rel_err"), 0.3)),
+    ("bench_gguf_linear.json", _set(("rows", 2, "q6_k_ms"), KeyError)),
+    ("bench_linear.json", _set(("rows", 0, "int8_ref_rel_err"), 1e-3)),
+    ("bench_linear.json", _set(("header", "threads"), "2")),
+    ("kv_decode.json", _set(("fused_vs_reference_max_abs",), 0.5)),
+    ("kv_decode.json", _set(("rows", 1, "compression"), 0.9)),
+    ("bench_formats.json", _set(("results", 3, "check"), "")),
+    ("bench_formats.json", _set(("results", 0, "snr_db"), -3.0)),
+    ("bench_weights_quality_smollm2-135m.json",
+     _set(("results", 0, "protocol", "kv_evaluator_check", "rel_diff"), 0.02)),
+    ("bench_weights_quality_smollm2-135m.json", _set(("results", 0, "rows", 2, "top1"), 1.5)),
+    ("bench_kv_quality.json", _set(("targets", 2, "pass"), False)),
+    ("bench_kv_quality.json", _set(("rows", 0, "kld"), 0.1)),
+    ("bench_kv_quality.json", _set(("passkey", "results", "best-4", "found"), 4)),
+    ("bench_kv_quality.json", _set(("rows",), [])),
+]
+
+
+@pytest.mark.parametrize("name,edit", BROKEN, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BROKEN)])
+def test_the_checks_reject_a_broken_result(name, edit):
+    if not (RESULTS / name).is_file():
+        pytest.skip(f"{name} not recorded")
+    data = json.loads((RESULTS / name).read_text())
+    CHECKS[RECORDED[name]](copy.deepcopy(data), fresh=False)  # the recorded one passes
+    edit(data)
+    with pytest.raises((AssertionError, KeyError)):
+        CHECKS[RECORDED[name]](data, fresh=False)
