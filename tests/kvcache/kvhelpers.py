@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lessmem.kvcache.cache import cache_kwarg
 from lessmem.models import tiny_random
 
 
@@ -39,7 +40,7 @@ def run_chunks(model, ids, cache, chunks, mask=None):
         for n in sizes:
             e = s + n
             r = model(input_ids=ids[:, s:e], attention_mask=mask[:, :e], position_ids=pos[:, s:e],
-                      past_key_values=cache, use_cache=True)
+                      **{cache_kwarg(model): cache}, use_cache=True)
             out.append(r.logits)
             s = e
     return torch.cat(out, dim=1)
