@@ -136,3 +136,24 @@ def test_password_redacted_in_specs_and_bad_url_errors():
     with pytest.raises(ValueError) as e:
         RedisTier(f"http://:{PASSWORD}@h/0")
     assert PASSWORD not in str(e.value)
+
+
+def test_behind_a_host_tier_redis_dying_loses_nothing_the_host_holds(redis_proc):
+    from lessmem.offload import HostTier, TierStack
+    from lessmem.offload.serialize import block_nbytes
+
+    srv = redis_proc.start()
+    host = HostTier(capacity=2 * block_nbytes(blk(0)))
+    s = TierStack([host, RedisTier(srv.url, retry_after=0.0)])
+    for i in range(4):
+        s.put(f"k{i}", blk(i))  # k0, k1 demoted to Redis
+    assert s.where("k0") == "remote"
+    srv.kill()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for i in range(4, 8):
+            s.put(f"k{i}", blk(i))  # no lower tier takes demotions now: the host keeps them
+        got = {i: s.get(f"k{i}") for i in range(8)}
+    assert got[0] is None and got[1] is None  # lost with the server: misses, recomputed by the cache
+    assert all(got[i]["i"].item() == i for i in range(2, 8))
+    assert host.stats.demote_failures > 0
