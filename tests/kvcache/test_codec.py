@@ -72,6 +72,17 @@ def test_lloyd_max_levels_are_the_known_ones():
 
 def test_every_config_format_has_one_codec_entry():
     assert set(FORMATS) == set(kvconfig.FORMATS) - {"none"}
+    for name, fmt in FORMATS.items():  # the config accepts exactly the bit widths the codec has
+        accepted = []
+        for bits in range(1, 9):
+            try:
+                KVTensorConfig(name, bits, PerToken())
+                accepted.append(bits)
+            except ValueError:
+                pass
+        assert tuple(accepted) == fmt.bits
+        for bits in fmt.bits:  # and each of them has a layout at a usual head_dim
+            assert kv_layout(KVTensorConfig(name, bits, PerToken()), 128).bits == bits
     with pytest.raises(ValueError, match="full precision and has no KV layout"):
         kv_layout(kvconfig.NONE, 64)
 

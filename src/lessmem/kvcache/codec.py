@@ -1,11 +1,13 @@
 """Encode one chunk of keys or values ``[B, H, T, D]`` into the cache's stored layout.
 
-Each KV format is one entry of :data:`FORMATS`: its :class:`~lessmem.formats.kvlayout.KVLayout`
-fields (zero point or constant zero, level table) and its quantizer (how a group of
-values becomes a scale, codes and maybe a zero point). ``kv_layout(spec, head_dim)``
-builds the layout every reader uses (the attention kernels, their torch fallback, the
-test oracle); ``encode`` quantizes and packs with it. Adding a format means one entry
-here (plus its name in ``config.FORMATS``) and, where its layout needs it, kernel code.
+Each KV format is one entry of :data:`FORMATS`: its bit widths, its
+:class:`~lessmem.formats.kvlayout.KVLayout` fields (zero point or constant zero, level
+table) and its quantizer (how a group of values becomes a scale, codes and maybe a zero
+point). ``kv_layout(spec, head_dim)`` builds the layout every reader uses (the attention
+kernels, their torch fallback, the test oracle); ``encode`` quantizes and packs with it.
+Adding a format means one entry here (its name and bits are also checked by
+``config.KVTensorConfig``; a test keeps the two equal) and, only where its layout needs
+a new packing, kernel code.
 
 Every format dequantizes as ``x = scale · (lut[c] − z)`` (z = zero point, or a constant):
 int (symmetric): z = 2^(b−1), no table; uint: a uint8 zero point per group; fp8: the
@@ -87,19 +89,22 @@ def _fp8_levels(fmt: str, bits: int) -> dict:
 
 @dataclass(frozen=True)
 class KVFormat:
-    """One KV format: the layout fields it stores (``layout(fmt, bits)`` -> KVLayout keyword
-    arguments) and its quantizer ``quantize(xg, spec, layout)``."""
+    """One KV format: the bit widths it comes in, the layout fields it stores
+    (``layout(fmt, bits)`` -> KVLayout keyword arguments) and its quantizer
+    ``quantize(xg, spec, layout)`` -> (codes, scale, zero point or None)."""
 
+    bits: tuple[int, ...]
     layout: Callable[[str, int], dict]
     quantize: Callable
 
 
 FORMATS: dict[str, KVFormat] = {
-    "int": KVFormat(lambda fmt, bits: {"zero_const": 2.0 ** (bits - 1)}, _affine),
-    "uint": KVFormat(lambda fmt, bits: {"has_zero_point": True}, _affine),
-    "fp8-e4m3": KVFormat(_fp8_levels, _fp8),
-    "fp8-e5m2": KVFormat(_fp8_levels, _fp8),
-    "lm": KVFormat(lambda fmt, bits: {"levels": tuple(gaussian_codebook(bits).tolist())}, _lloyd_max),
+    "int": KVFormat((2, 3, 4, 8), lambda fmt, bits: {"zero_const": 2.0 ** (bits - 1)}, _affine),
+    "uint": KVFormat((2, 3, 4, 8), lambda fmt, bits: {"has_zero_point": True}, _affine),
+    "fp8-e4m3": KVFormat((8,), _fp8_levels, _fp8),
+    "fp8-e5m2": KVFormat((8,), _fp8_levels, _fp8),
+    "lm": KVFormat((2, 3, 4), lambda fmt, bits: {"levels": tuple(gaussian_codebook(bits).tolist())},
+                   _lloyd_max),
 }
 
 
