@@ -144,6 +144,9 @@ def test_bad_path(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="not a usable directory"):
         DiskTier(f)
+    for bad in (None, "", 3):
+        with pytest.raises(ValueError, match="allowed: a directory path"):
+            DiskTier(bad)
 
 
 @pytest.mark.parametrize("fast", [True, False])

@@ -99,3 +99,9 @@ def test_bad_args():
         RedisTier("http://x")
     with pytest.raises(ValueError, match="ttl=0"):
         RedisTier("redis://127.0.0.1:1/0", ttl=0)
+    with pytest.raises(ValueError, match="retry_after='5'"):
+        RedisTier("redis://127.0.0.1:1/0", retry_after="5")
+    with pytest.raises(ValueError, match="socket_timeout=-1"):
+        RedisTier("redis://127.0.0.1:1/0", socket_timeout=-1)
+    with pytest.raises(ValueError, match="prefix=None"):
+        RedisTier("redis://127.0.0.1:1/0", prefix=None)

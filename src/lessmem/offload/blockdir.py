@@ -100,6 +100,8 @@ class BlockDir:
     """Paths, the cross-process lock and byte count, temp files and session bookkeeping."""
 
     def __init__(self, path):
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ValueError(f"disk tier path {path!r}; allowed: a directory path (str or Path)")
         self.root = os.path.abspath(os.fspath(path))
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)

@@ -58,9 +58,9 @@ class DiskTier(BatchReads, Tier):
     def __init__(self, path, capacity: int | None = None, fsync: bool = True, name: str = "disk",
                  max_pending: int = 32):
         super().__init__(name, capacity)
+        self.store = BlockDir(path)
         self.path = Path(path)
         self.fsync = bool(fsync)
-        self.store = BlockDir(path)
         self.dir = Path(self.store.blocks)
         self._dirname = self.store.blocks
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first

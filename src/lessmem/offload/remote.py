@@ -57,6 +57,11 @@ class RedisTier(Tier):
             raise ValueError(f"redis url {redact_url(url)!r} must start with redis://, rediss:// or unix://")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0):
             raise ValueError(f"ttl={ttl!r} must be a positive int (seconds) or None")
+        for opt, v in (("retry_after", retry_after), ("socket_timeout", socket_timeout)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"{opt}={v!r} must be a non-negative number of seconds")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix={prefix!r} must be a str (prepended to every Redis key)")
         try:
             import redis
         except ImportError as e:  # pragma: no cover - optional dependency
