@@ -6,8 +6,9 @@ and inside functions alike: a lazy import is still an arrow), then checked:
 - no arrow from a lower layer to a higher one, and none between two packages of one layer;
 - no circle among modules.
 
-A subcommand module (``cli.py``, ``*_cli.py``) belongs to the command-line layer whatever
-folder it sits in: it is imported only when its subcommand runs.
+A subcommand module (``cli.py``, ``*_cli.py``) and the command line's own helpers
+(``_cli*.py``, ``_console.py``) belong to the command-line layer whatever folder they sit
+in: they are imported only when a subcommand runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ LAYERS = {
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
-    if parts[-1] in ("cli", "__main__", "_console", "_cli_types") or parts[-1].endswith("_cli"):
+    name = parts[-1]
+    if name in ("cli", "__main__", "_console") or name.endswith("_cli") or name.startswith("_cli"):
         return "cli"
     if len(parts) == 1:
         return "facade"
