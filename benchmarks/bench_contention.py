@@ -1,0 +1,243 @@
+"""Decode speed with and without a competing CPU-bound process: do the threads degrade gracefully?
+
+On a machine where other processes compete for the cores, OpenMP threads that spin while
+they wait (libgomp's default before ``OMP_WAIT_POLICY`` is set) burn the cores that the
+working threads need, and decode can collapse to a fraction of its speed. lessmem sets
+``OMP_WAIT_POLICY=PASSIVE`` when it is imported before torch (``lessmem/__init__.py``);
+this benchmark measures what that buys.
+
+Each variant runs in its own worker process, since the OpenMP runtime reads its
+environment once, when torch is imported:
+
+- ``passive``: lessmem imported first (``OMP_WAIT_POLICY=PASSIVE``), torch's default threads;
+- ``spin``: torch imported first with ``OMP_WAIT_POLICY`` unset (libgomp's default, what a
+  script that imports torch before lessmem gets), the same threads;
+- ``passive-1t`` (full run only): PASSIVE and ``torch.set_num_threads(1)``.
+
+A worker loads the model, prefills ``--context`` tokens into a lessmem ``int4`` cache
+with the fused attention on (so torch's and lessmem's C++ kernels both run), and times
+``--tokens`` greedy decode steps, once per request. The parent alternates requests
+without and with one competing process (a Python busy loop, one core's worth) for
+``--rounds`` rounds, and reports per variant the median tok/s alone and contended and
+their ratio (1.0: unaffected; with two cores and one competitor ~0.5 is a fair share;
+far below: a collapse). The worker also counts the OpenMP runtimes mapped in its
+process (1: torch and the C++ kernels share one libgomp, so one setting covers both).
+
+    python benchmarks/bench_contention.py            # built-in model (SmolLM2-135M)
+    python benchmarks/bench_contention.py --quick    # tiny random model (CI)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = {  # name: (OMP_WAIT_POLICY or None for unset, threads or None for torch's choice)
+    "passive": ("PASSIVE", None),
+    "spin": (None, None),
+    "passive-1t": ("PASSIVE", 1),
+}
+QUICK_VARIANTS = ("passive", "spin")
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _worker(args) -> None:
+    """One variant: import in the order the variant needs, then serve 'go' requests."""
+    policy, threads = VARIANTS[args.worker]
+    at_start = None  # OMP_WAIT_POLICY when torch (and with it the OpenMP runtime) started
+    if policy is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        import torch  # first: the OpenMP runtime starts with its own default (spin a while)
+
+        at_start = os.environ.get("OMP_WAIT_POLICY")
+        import lessmem  # noqa: F401  (its setdefault comes too late to matter)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = policy
+        importlib.import_module("lessmem")  # before torch, as the `lessmem` command does
+        at_start = os.environ.get("OMP_WAIT_POLICY")
+        import torch
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, ids = _model_and_prompt(args)
+    decode = _decoder(model, ids, args.tokens)
+    decode()  # warm-up: kernels built/loaded, first allocations
+    info = {"threads": torch.get_num_threads(), "omp_wait_policy": at_start,
+            "openmp_runtimes": _openmp_runtimes()}
+    print(json.dumps({"ready": info}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        print(json.dumps(decode()), flush=True)
+
+
+def _model_and_prompt(args):
+    import torch
+
+    from lessmem.models import tiny_random
+
+    if args.quick:
+        model = tiny_random("llama", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
+    else:
+        from lessmem.models import load
+
+        model, _ = load("smollm2-135m")
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    return model, torch.randint(1, vocab, (1, args.context), generator=g)
+
+
+def _decoder(model, ids, steps: int):
+    """A function: fresh int4 cache, prefill ``ids``, time ``steps`` greedy decode steps."""
+    import torch
+
+    from lessmem.kvcache import KVCache, enable
+    from lessmem.kvcache.cache import cache_kwarg
+
+    kw = cache_kwarg(model)
+
+    @torch.inference_mode()
+    def decode() -> dict:
+        with enable(model):
+            cache = KVCache(model.config, "int4")
+            out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1:].argmax(-1)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                out = model(nxt, **{kw: cache}, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {"tok_s": steps / wall, "wall_s": wall, "cpu_s": cpu}
+
+    return decode
+
+
+def _openmp_runtimes() -> int:
+    """Distinct OpenMP runtime files mapped into this process (libgomp, libiomp, libomp)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return -1
+    names = {line.split()[-1] for line in maps.splitlines()
+             if any(k in line.rsplit("/", 1)[-1] for k in ("libgomp", "libiomp", "libomp"))}
+    return len(names)
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+class _Worker:
+    def __init__(self, variant: str, args):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant,
+               "--context", str(args.context), "--tokens", str(args.tokens)]
+        if args.quick:
+            cmd.append("--quick")
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()["ready"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+class _Competitor:
+    """One CPU-bound process (a Python busy loop) while the block runs."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True:\n    pass"])
+        time.sleep(0.3)  # let it get onto a core
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def measure(args) -> dict:
+    names = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
+    workers = {n: _Worker(n, args) for n in names}
+    runs = {n: {"alone": [], "contended": []} for n in names}
+    try:
+        for _ in range(args.rounds):
+            for n, w in workers.items():  # round-robin: drift on the machine hits all alike
+                runs[n]["alone"].append(w.run())
+                with _Competitor():
+                    runs[n]["contended"].append(w.run())
+    finally:
+        for w in workers.values():
+            w.close()
+    out = {}
+    for n in names:
+        alone = statistics.median(r["tok_s"] for r in runs[n]["alone"])
+        cont = statistics.median(r["tok_s"] for r in runs[n]["contended"])
+        out[n] = {**workers[n].info, "alone_tok_s": alone,
+                  "contended_tok_s": cont, "contended_vs_alone": cont / alone, "runs": runs[n]}
+    return out
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE))
+    from common import parser
+
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=None, help="prompt tokens (default 256; quick 64)")
+    p.add_argument("--tokens", type=int, default=None, help="decode steps per run (default 32; quick 16)")
+    p.add_argument("--rounds", type=int, default=None, help="alone/contended pairs (default 3; quick 1)")
+    p.add_argument("--worker", choices=tuple(VARIANTS), default=None, help=argparse_suppress())
+    args = p.parse_args()
+    args.context = args.context or (64 if args.quick else 256)
+    args.tokens = args.tokens or (16 if args.quick else 32)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    for name in ("context", "tokens", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: allowed: an integer >= 1")
+    if args.worker:
+        return _worker(args)
+
+    from common import header, write_result
+
+    h = header(model="tiny-random-llama" if args.quick else "smollm2-135m", cache="int4",
+               context=args.context, tokens=args.tokens, rounds=args.rounds,
+               competitor="one Python busy loop")
+    res = measure(args)
+    print(f"{'variant':<11} {'policy':<8} {'threads':>7} {'alone tok/s':>12} {'contended':>10} {'ratio':>6}")
+    for n, r in res.items():
+        print(f"{n:<11} {str(r['omp_wait_policy'] or 'unset'):<8} {r['threads']:>7} "
+              f"{r['alone_tok_s']:>12.1f} {r['contended_tok_s']:>10.1f} {r['contended_vs_alone']:>6.2f}")
+    summary = {"contended_vs_alone": res["passive"]["contended_vs_alone"],
+               "passive_vs_spin_contended": res["passive"]["contended_tok_s"] / res["spin"]["contended_tok_s"],
+               "openmp_runtimes": res["passive"]["openmp_runtimes"]}
+    print("summary: " + json.dumps(summary))
+    write_result("bench_contention", {"header": h, "variants": res, "summary": summary},
+                 args.out, args.quick)
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
