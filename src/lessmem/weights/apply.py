@@ -82,7 +82,20 @@ def _targets(model: nn.Module, config: WeightConfig, filter_fn) -> dict[str, Lay
 
 def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_fn=None,
               tokenizer=None, progress: bool = True) -> dict:
-    """Quantize ``model``'s linears in place; returns a report (see the module doc)."""
+    """Quantize ``model``'s linears in place; returns a report (see the module doc).
+
+    ``calibration`` (GPTQ, AWQ, SmoothQuant): None (the built-in corpus), text, a file path,
+    a list of texts or integer token ids (``weights.calibrate``). Text is tokenized with
+    ``tokenizer``, by default the one ``lessmem.load`` returned with the model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_ needs a torch.nn.Module (e.g. from lessmem.load) as model, "
+                        f"got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be None or a function (name, module) -> bool, got "
+                        f"{type(filter_fn).__name__}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {progress!r}")
     if isinstance(config, GGUFConfig):
         return apply_gguf(model, config, filter_fn)
     if not isinstance(config, WeightConfig):
@@ -117,9 +130,15 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
 
 
 def _calibrated(model, config, targets, calibration, tokenizer, progress, report) -> set:
-    arch = arch_for(getattr(model.config, "model_type", None))
+    arch = arch_for(getattr(getattr(model, "config", None), "model_type", None))
     blocks = get_module(model, arch.blocks)
+    if tokenizer is None:
+        tokenizer = getattr(model, "_lessmem_tokenizer", None)  # attached by lessmem.load
     ids = calibration_ids(calibration, tokenizer, config.n_samples, config.seq_len)
+    vocab = getattr(model.config, "vocab_size", None)
+    if isinstance(vocab, int) and int(ids.max()) >= vocab:
+        raise ValueError(f"calibration token id {int(ids.max())} is outside the model's "
+                         f"vocabulary (vocab_size={vocab}); was the text tokenized for another model?")
     report["calibration"] = {"source": describe(calibration), "tokens": ids.numel(),
                              "n_samples": config.n_samples, "seq_len": config.seq_len}
     was_training = model.training

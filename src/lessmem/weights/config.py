@@ -45,6 +45,20 @@ def _check_int(name: str, owner: str, v, lo: int, hi: int | None = None):
         raise ValueError(f"{owner} {name}={v!r} must be an integer {rng}")
 
 
+def _check_bool(name: str, owner: str, v):
+    if not isinstance(v, bool):
+        raise ValueError(f"{owner} {name}={v!r} must be True or False")
+
+
+def _as_patterns(owner: str, v) -> tuple[str, ...]:
+    """``skip``: one name pattern or a list/tuple of them."""
+    pats = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else None
+    if pats is None or not all(isinstance(p, str) for p in pats):
+        raise ValueError(f"{owner} skip={v!r} must be a name pattern or a list of name patterns "
+                         "(strings)")
+    return pats
+
+
 def _check_float(name: str, owner: str, v, lo: float, hi: float, lo_open: bool = False):
     ok = isinstance(v, (int, float)) and not isinstance(v, bool)
     ok = ok and (lo < v if lo_open else lo <= v) and v <= hi
@@ -68,6 +82,8 @@ class WeightConfig:
 
     def __post_init__(self):
         owner = type(self).__name__
+        _check_bool("symmetric", owner, self.symmetric)
+        _check_bool("group_fallback", owner, self.group_fallback)
         if isinstance(self.bits, bool) or self.bits not in self.allowed_bits:
             raise ValueError(f"{owner} bits={self.bits!r} is not supported; allowed: "
                              f"{', '.join(map(str, self.allowed_bits))}")
@@ -79,21 +95,24 @@ class WeightConfig:
             raise ValueError(f"{owner} bits=8 is per-channel symmetric int8: use group_size=None, "
                              f"symmetric=True (got group_size={self.group_size!r}, "
                              f"symmetric={self.symmetric!r})")
-        if not isinstance(self.symmetric, bool):
-            raise ValueError(f"{owner} symmetric={self.symmetric!r} must be True or False")
-        skip = (self.skip,) if isinstance(self.skip, str) else tuple(self.skip)
-        if not all(isinstance(s, str) for s in skip):
-            raise ValueError(f"{owner} skip={self.skip!r} must be name patterns (strings)")
-        object.__setattr__(self, "skip", skip)
+        object.__setattr__(self, "skip", _as_patterns(owner, self.skip))
         object.__setattr__(self, "overrides", self._norm_overrides(self.overrides))
 
     def _norm_overrides(self, ov):
         owner = type(self).__name__
         items = ov.items() if isinstance(ov, dict) else ov
+        if not isinstance(items, (list, tuple, type({}.items()))) or not all(
+                isinstance(it, (list, tuple)) and len(it) == 2 for it in items):
+            raise ValueError(f"{owner} overrides={ov!r} must be a dict of name pattern -> "
+                             "{field: value} (or None: keep in full precision)")
         out = []
         names = {f.name for f in dataclasses.fields(self)} - {"overrides"}
         for pat, change in items:
-            change = dict(change) if change is not None else None
+            try:
+                change = dict(change) if change is not None else None
+            except (TypeError, ValueError):
+                raise ValueError(f"{owner} overrides entry {pat!r}: {change!r} must be a dict "
+                                 "{field: value} or None") from None
             if not isinstance(pat, str) or (change is not None and not set(change) <= names):
                 bad = set(change or {}) - names
                 raise ValueError(f"{owner} overrides entry {pat!r}: {change!r}; keys must be "
@@ -237,6 +256,8 @@ class GPTQConfig(CalibratedConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        for flag in ("act_order", "static_groups", "true_sequential"):
+            _check_bool(flag, "GPTQConfig", getattr(self, flag))
         _check_float("damp", "GPTQConfig", self.damp, 0.0, 1.0, lo_open=True)
         _check_int("block_size", "GPTQConfig", self.block_size, 1, 4096)
         if self.act_order and not self.static_groups and self.group_size is not None:
@@ -260,6 +281,7 @@ class AWQConfig(CalibratedConfig):
     def __post_init__(self):
         super().__post_init__()
         _check_int("n_grid", "AWQConfig", self.n_grid, 1, 200)
+        _check_bool("clip_search", "AWQConfig", self.clip_search)
         _check_float("max_shrink", "AWQConfig", self.max_shrink, 0.0, 0.9)
         if self.search_samples is not None:
             _check_int("search_samples", "AWQConfig", self.search_samples, 1)
@@ -314,8 +336,11 @@ class GGUFConfig:
     def __post_init__(self):
         from .gguf_mix import check_mix
 
+        if not isinstance(self.type, str):
+            raise ValueError(f"GGUFConfig type={self.type!r} must be a GGUF type or mix name such as "
+                             "'Q4_K_M'")
         object.__setattr__(self, "type", check_mix(self.type))
-        object.__setattr__(self, "skip", (self.skip,) if isinstance(self.skip, str) else tuple(self.skip))
+        object.__setattr__(self, "skip", _as_patterns("GGUFConfig", self.skip))
 
     def to_dict(self) -> dict:
         return {"method": "gguf", "type": self.type, "skip": list(self.skip)}

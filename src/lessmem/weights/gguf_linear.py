@@ -34,6 +34,7 @@ from torch import nn
 from ..formats.gguf import quantize_gguf
 from ..kernels import gguf_linear_cpp as kernel
 from .qlinear import FUSED_MAX_ROWS, held_nbytes  # FUSED_MAX_ROWS: above it, decode once + BLAS
+from .rtn import check_size
 
 
 class GGUFLinear(nn.Module):
@@ -41,6 +42,10 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, gguf_type, bias: bool = True):
         super().__init__()
+        check_size("in_features", in_features)
+        check_size("out_features", out_features)
+        if not isinstance(bias, bool):
+            raise ValueError(f"GGUFLinear bias={bias!r} must be True or False")
         t = kernel.check_shape(gguf_type, out_features, in_features)  # ValueError naming the fix
         self.in_features, self.out_features = int(in_features), int(out_features)
         self._type = t

@@ -29,7 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from .rtn import QuantizedWeight, dequantize_grouped, group_qparams, quantize_with
+from .rtn import (
+    QuantizedWeight,
+    check_group_size,
+    check_weight,
+    dequantize_grouped,
+    group_qparams,
+    quantize_grouped,
+)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -52,11 +59,17 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None,
                   symmetric: bool, damp: float = 0.01, block_size: int = 128,
                   act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
+    n, k = check_weight(w, bits)
+    gs = check_group_size(group_size, k)
+    if not isinstance(h, torch.Tensor) or tuple(h.shape) != (k, k):
+        got = list(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
+        raise ValueError(f"h must be the [in, in] = [{k}, {k}] Hessian of the layer's inputs, got {got}")
+    if act_order and not static_groups and group_size is not None:
+        # a group's parameters would be chosen at its first column in permuted order, then
+        # read by columns of the other groups before they are set: groups must be fixed first
+        raise ValueError("gptq_quantize act_order=True with group_size set needs "
+                         "static_groups=True (or group_size=None)")
     W = w.detach().double().clone()  # [N, K]; float64 keeps the solve stable for big K
-    n, k = W.shape
-    gs = k if group_size is None else group_size
-    if k % gs:
-        raise ValueError(f"group_size={gs} does not divide in_features={k}")
     H = h.detach().double().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
@@ -91,7 +104,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
             g = int(perm[col]) // gs
             s, z = scale[:, g], zero[:, g]
             wc = W1[:, i:i + 1].float()
-            u = quantize_with(wc, s, z, bits)  # [N, 1]
+            u = quantize_grouped(wc, s, z, bits)  # [N, 1]
             q = dequantize_grouped(u, s, z, bits).double()
             codes[:, col] = u[:, 0]
             e = (W1[:, i:i + 1] - q) / U1[i, i]

@@ -59,7 +59,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.integer import choose_qparams
-from .rtn import QuantizedWeight
+from .rtn import QuantizedWeight, check_group_size, check_weight
 
 _CHUNK_GROUPS = 1 << 16  # groups per vectorised chunk (64K x 64 weights = 16 MiB fp32 per temp)
 _TOL = 1e-4  # relative improvement of a group's lp error below which it stops
@@ -175,10 +175,8 @@ def hqq_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric: 
                  chunk_groups: int = _CHUNK_GROUPS) -> QuantizedWeight:
     """HQQ codes for W [N, K] in groups of ``group_size`` input columns (None: one per row),
     in the ``QuantizedWeight`` layout RTN produces (``QuantLinear.from_quantized`` holds it)."""
-    n, k = w.shape
-    gs = k if group_size is None else group_size
-    if k % gs:
-        raise ValueError(f"group_size={gs} does not divide in_features={k}")
+    n, k = check_weight(w, bits)
+    gs = check_group_size(group_size, k)
     wg = w.detach().float().reshape(-1, gs)  # [N*G, gs], groups contiguous in k
     scales, zeros, codes = [], [], []
     for i in range(0, wg.shape[0], chunk_groups):

@@ -40,7 +40,7 @@ from torch import nn
 from ..formats.packing import pack_bits, unpack_bits
 from ..kernels import int4_linear as i4
 from ..kernels import linear_cpp
-from .rtn import QuantizedWeight, rtn_quantize
+from .rtn import QuantizedWeight, check_group_size, check_size, rtn_quantize
 
 FUSED_MAX_ROWS = 16  # above this many rows, dequantize once and use BLAS (compute-bound)
 
@@ -57,11 +57,18 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
                  symmetric: bool, bias: bool = True, act_bits: int | None = None):
         super().__init__()
-        if bits not in (2, 3, 4, 8):
+        if isinstance(bits, bool) or bits not in (2, 3, 4, 8):
             raise ValueError(f"QuantLinear bits={bits!r}; allowed: 2, 3, 4, 8")
-        if in_features % group_size:
-            raise ValueError(f"group_size={group_size} does not divide in_features={in_features}")
-        if act_bits not in (None, 8) or (act_bits == 8 and bits != 8):
+        check_size("in_features", in_features)
+        check_size("out_features", out_features)
+        check_group_size(group_size, in_features)
+        if group_size is None:
+            raise ValueError(f"QuantLinear group_size=None; pass in_features={in_features} for one "
+                             "group per row")
+        for name, flag in (("symmetric", symmetric), ("bias", bias)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"QuantLinear {name}={flag!r} must be True or False")
+        if isinstance(act_bits, bool) or act_bits not in (None, 8) or (act_bits == 8 and bits != 8):
             raise ValueError(f"act_bits={act_bits!r}; allowed: None, or 8 with bits=8 (W8A8)")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.symmetric, self.act_bits = bits, group_size, symmetric, act_bits
@@ -164,6 +171,8 @@ class QuantLinear(nn.Module):
 
     # ---- compute ------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:  # the kernels read rows of in_features unchecked
+            raise ValueError(f"input has {x.shape[-1]} features; this layer takes {self.in_features}")
         dtype = x.dtype
         rows = x.numel() // self.in_features
         if self.layout == "packed" and rows <= FUSED_MAX_ROWS and self._fused:

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -55,25 +56,45 @@ def group_qparams(wg: torch.Tensor, bits: int, symmetric: bool, clip: torch.Tens
     return scale, zp
 
 
-def quantize_with(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [R, gs] for grouped rows given scale/zero (asymmetric form, any zero point)."""
-    return quantize_grouped(wg, scale, zero, bits)
-
-
 def fake_quant(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Quantize then dequantize grouped rows [R, gs] (float32)."""
-    return dequantize_grouped(quantize_with(wg, scale, zero, bits), scale, zero, bits)
+    return dequantize_grouped(quantize_grouped(wg, scale, zero, bits), scale, zero, bits)
+
+
+def check_size(name: str, v) -> int:
+    """``v`` as a layer size: a positive integer (an int or numpy integer; not a bool or str)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+        raise ValueError(f"{name}={v!r} must be a positive integer")
+    return int(v)
+
+
+def check_group_size(group_size, in_features: int) -> int:
+    """The group size to use for ``in_features`` columns (None: one group per row), checked."""
+    if group_size is None:
+        return in_features
+    check_size("group_size", group_size)
+    if in_features % group_size:
+        raise ValueError(f"group_size={group_size} does not divide in_features={in_features}")
+    return group_size
+
+
+def check_weight(w, bits: int) -> tuple[int, int]:
+    """``(N, K)`` of a 2-D floating weight, with ``bits`` one the layouts hold (2, 3, 4, 8)."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"the weight must be a 2-D floating tensor [out, in], got {got}")
+    if isinstance(bits, bool) or bits not in (2, 3, 4, 8):
+        raise ValueError(f"bits={bits!r}; allowed: 2, 3, 4, 8")
+    return w.shape
 
 
 def rtn_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool,
                  clip: torch.Tensor | None = None) -> QuantizedWeight:
     """Round-to-nearest codes for W [N, K]; group_size None = one group per row."""
-    n, k = w.shape
-    gs = k if group_size is None else group_size
-    if k % gs:
-        raise ValueError(f"group_size={gs} does not divide in_features={k}")
+    n, k = check_weight(w, bits)
+    gs = check_group_size(group_size, k)
     wg = w.detach().float().reshape(-1, gs)  # [N*G, gs], row-major so groups are contiguous in k
     scale, zero = group_qparams(wg, bits, symmetric, None if clip is None else clip.reshape(-1))
-    u = quantize_with(wg, scale, zero, bits)
+    u = quantize_grouped(wg, scale, zero, bits)
     g = k // gs
     return QuantizedWeight(u.view(n, k), scale.view(n, g), zero.view(n, g), bits, gs, symmetric)
