@@ -203,3 +203,35 @@ def test_a_forked_child_takes_its_own_lock(tmp_path):
     assert got == "excluded"
     t.close()
     assert t.nbytes == _on_disk(tmp_path)
+
+
+def test_write_behind_group_commits_what_is_queued(tmp_path, monkeypatch):
+    t = DiskTier(tmp_path)
+    gate, entered, real_fsync, dir_syncs = threading.Event(), threading.Event(), os.fsync, []
+
+    def gated_fsync(fd):
+        if not entered.is_set():  # hold the first write while the rest queue up
+            entered.set()
+            assert gate.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(disk_mod.os, "fsync", gated_fsync)
+    real_dir = t.store.fsync_dir
+    monkeypatch.setattr(t.store, "fsync_dir", lambda: (dir_syncs.append(1), real_dir()))
+    futs = [t.put_async("k0", blk(0))]
+    assert entered.wait(30)
+    futs += [t.put_async(f"k{i}", blk(i)) for i in range(1, 10)]
+    gate.set()
+    t.flush()
+    assert all(f.result() is None for f in futs) and len(dir_syncs) == 2  # 1 + the 9 queued
+    assert [DiskTier(tmp_path).get(f"k{i}")["i"].item() for i in range(10)] == list(range(10))
+
+
+def test_put_many_reports_each_item(tmp_path):
+    one = len(disk_mod.pack_block(blk(0), meta={"key": "k0"}))
+    t = DiskTier(tmp_path, capacity=3 * one)
+    errs = t.put_many([("k0", blk(0)), ("bad key", blk(1)), ("big", blk(2, n=9000)), ("k3", blk(3))])
+    assert errs[0] is None and errs[3] is None
+    assert isinstance(errs[1], ValueError) and isinstance(errs[2], TierFullError)
+    assert sorted(t.keys()) == ["k0", "k3"] and t.stats.puts == 2
+    assert not list((tmp_path / "blocks").glob(disk_mod.TEMP_PREFIX + "*"))

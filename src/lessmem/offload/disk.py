@@ -66,7 +66,7 @@ class DiskTier(BatchReads, Tier):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
         self._headers: dict[str, tuple] = {}  # key -> (path, header, file bytes, parts) seen: get_many
         self._recent: set[str] = set()  # keys read since the last advise_async
-        self._behind = WriteBehind(self.put, name, max_pending)
+        self._behind = WriteBehind(self.put_many, name, max_pending)
         with self.store.locked():
             self._rescan()
 
@@ -99,29 +99,50 @@ class DiskTier(BatchReads, Tier):
     # -- writing ----------------------------------------------------------------------
     def put(self, key: str, block: dict) -> None:
         """Store the block durably (fsynced, unless ``fsync=False``) before returning."""
-        check_key(key)
-        blob = pack_block(block, meta={"key": key})
-        n = len(blob)
-        t0 = time.perf_counter()
-        if self.capacity is not None and n > self.capacity:
-            raise TierFullError(
-                f"block of {n} bytes is larger than the {self.name} tier's capacity {self.capacity}")
-        tmp = self._write_temp(blob)
+        err = self.put_many([(key, block)])[0]
+        if err is not None:
+            raise err
+
+    def put_many(self, items: list[tuple[str, dict]]) -> list[Exception | None]:
+        """``put`` for each ``(key, block)``, sharing one store lock and one directory
+        fsync (a group commit: what the write-behind queue does with what it has queued).
+        Returns, per item, None (durable) or the exception its ``put`` would have raised."""
+        out: list[Exception | None] = [None] * len(items)
+        staged = []
+        for i, (key, block) in enumerate(items):
+            try:
+                check_key(key)
+                t0 = time.perf_counter()
+                blob = pack_block(block, meta={"key": key})
+                if self.capacity is not None and len(blob) > self.capacity:
+                    raise TierFullError(f"block of {len(blob)} bytes is larger than the {self.name} "
+                                        f"tier's capacity {self.capacity}")
+                staged.append((i, key, blob, self._write_temp(blob), t0))
+            except Exception as e:  # noqa: BLE001 - handed to the caller, per item
+                out[i] = e
         try:
             with self.store.locked(), self._lock:
-                self._make_room(key, n)
-                self.store.commit(tmp, key, n)
-                self._forget(key)
-                self._index[key] = n
-                self._remember(key, blob)
-            if self.fsync:
+                for i, key, blob, tmp, _ in staged:
+                    self._make_room(key, len(blob))
+                    try:
+                        self.store.commit(tmp, key, len(blob))
+                    except OSError as e:
+                        out[i] = e
+                        continue
+                    self._forget(key)
+                    self._index[key] = len(blob)
+                    self._remember(key, blob)
+            if self.fsync and staged:
                 self.store.fsync_dir()
-        except BaseException:
-            _unlink(tmp)
-            raise
+        finally:
+            for _, _, _, tmp, _ in staged:
+                _unlink(tmp)  # (renamed ones are gone already)
         with self._lock:
-            self.stats.puts += 1
-            self._timed(False, n, t0)
+            for i, _, blob, _, t0 in staged:
+                if out[i] is None:
+                    self.stats.puts += 1
+                    self._timed(False, len(blob), t0)
+        return out
 
     def _write_temp(self, blob: bytes) -> str:
         fd, tmp = self.store.temp()
