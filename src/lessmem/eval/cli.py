@@ -190,7 +190,8 @@ def run(args) -> int:
     prog.say(f"loading {args.model} ...")
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     check_lengths(args, getattr(model.config, "max_position_embeddings", None))
-    prog.say(f"{len(configs)} configs + the DynamicCache baseline, {args.windows} x {args.window_len} "
+    others = ", ".join(s.name for s in configs if s.kind != "baseline") or "nothing"
+    prog.say(f"{others} vs the DynamicCache baseline, {args.windows} x {args.window_len} "
              f"tokens of {text_name}" + ("" if getattr(args, "full", False) or args.kv else "; the full table: --full"))
     with prog.steps("perplexity"):
         rows = evaluate(model, tok, configs, text, args.windows, args.window_len, args.chunk,
