@@ -89,7 +89,7 @@ def budget_for(cache: TieredKVCache, disk_share: float) -> int:
     """Device bytes that leave ``disk_share`` of the sealed blocks below the device."""
     blocks = sum(sum(la.block_bytes) for la in cache.tiered)
     growth = sum(la.token_bytes() for la in cache.tiered)
-    return int(cache.fp_bytes() + growth + cache._reserve() + (1 - disk_share) * blocks)
+    return int(cache.fp_bytes() + growth + cache.account.reserve() + (1 - disk_share) * blocks)
 
 
 def disk_share_of(cache: TieredKVCache) -> float:
@@ -145,7 +145,7 @@ def run_context(model, tok, cfg, block_tokens, n_ctx, steps, disk_share, root: P
         row = {"ms_per_token": 1e3 * med, "tok_s": 1 / med, "ratio_vs_memory": base / med}
         if isinstance(c, TieredKVCache):
             st = c.offload_stats()
-            row.update(prefetch_mode=c.prefetch_mode, device_budget=c.device_budget, device_peak=c.device_peak,
+            row.update(prefetch_mode=c.prefetch, device_budget=c.device_budget, device_peak=c.device_peak,
                        within_budget=c.device_peak <= c.device_budget, disk_share=disk_share_of(c),
                        disk_bytes=c.stack.placement()[c.lower[0].name],
                        disk_read_gbps=st[c.lower[0].name]["read_gbps"],

@@ -1,8 +1,10 @@
+import warnings
+
 import pytest
 import torch
 
 from lessmem.formats import PerGroup, quantize
-from lessmem.offload import DeviceTier, HostTier, TierFullError
+from lessmem.offload import DeviceTier, HostTier, TierFullError, TierUnavailableError
 
 
 def blk(n_floats, v=0.0):
@@ -22,22 +24,55 @@ def test_lru_eviction_order_and_budget():
     assert t.stats.hits == 1 and t.stats.evictions == 1
 
 
-def test_pins_are_never_evicted():
+def test_a_block_larger_than_the_tier_is_refused():
     t = DeviceTier(capacity=600, device="cpu")
-    t.put("sink", blk(64))
-    t.pin("sink")
     t.put("a", blk(64))
-    t.put("b", blk(64))
-    assert t.contains("sink") and not t.contains("a")
-    t.pin("b")
-    with pytest.raises(TierFullError, match="pinned"):
-        t.put("c", blk(100))
     with pytest.raises(TierFullError, match="larger than"):
         t.put("d", blk(1000))
-    t.unpin("b")
-    t.put("c", blk(64))
-    assert t.contains("sink") and t.contains("c") and not t.contains("b")
+    assert t.keys() == ["a"] and t.nbytes == 256
 
+
+@pytest.mark.parametrize("error", [TierFullError, TierUnavailableError])
+def test_a_block_no_lower_tier_takes_stays_with_one_warning(error):
+    t = HostTier(capacity=600)
+
+    def refuse(key, block):
+        raise error("the tier below is full or unreachable")
+
+    t.on_evict = refuse
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(5):
+            t.put(f"b{i}", blk(64, i))  # 256 B each: from the third on, evictions fail
+        t.resize(100)
+    assert len([w for w in seen if "no lower tier could take it" in str(w.message)]) == 1
+    assert t.keys() == [f"b{i}" for i in range(5)] and t.nbytes == 5 * 256  # nothing lost
+    assert t.stats.demote_failures == 4 and t.stats.evictions == 0
+    assert all(t.get(f"b{i}")["x"][0].item() == i for i in range(5))
+    t.on_evict = lambda k, b: None  # the tier below takes blocks again: eviction resumes
+    t.resize(600)
+    t.put("b5", blk(64, 5))
+    assert t.keys() == ["b4", "b5"] and t.stats.evictions == 4
+
+
+def test_eviction_reads_only_the_least_recent_blocks():
+    """O(1) per put: the LRU order is walked only as far as the blocks to evict."""
+    from collections import OrderedDict
+
+    class Counting(OrderedDict):
+        steps = 0
+
+        def items(self):
+            for kv in super().items():
+                Counting.steps += 1
+                yield kv
+
+    t = HostTier(capacity=256 * 2000)
+    for i in range(2000):
+        t.put(f"k{i}", blk(64, i))
+    t._blocks = Counting(t._blocks)
+    t.put("new", blk(64))
+    assert Counting.steps <= 2 and t.keys()[0] == "k1" and t.nbytes == 256 * 2000
 
 def test_qtensor_bytes_counted_honestly():
     q = quantize(torch.randn(4, 128), "uint4", granularity=PerGroup(32))
@@ -50,11 +85,11 @@ def test_qtensor_bytes_counted_honestly():
     assert t.delete("q") and t.nbytes == 0 and not t.delete("q")
 
 
-def test_get_async_and_misses():
+def test_get_and_misses():
     t = HostTier(capacity=None)
     t.put("a", blk(4, 2.0))
-    assert t.get_async("a").result()["x"].tolist() == [2.0] * 4
-    assert t.get_async("zz").result() is None and t.stats.misses == 1
+    assert t.get("a")["x"].tolist() == [2.0] * 4
+    assert t.get("zz") is None and t.stats.misses == 1
     t.close()
 
 
@@ -73,9 +108,9 @@ def test_resize_and_peek():
     t.on_evict = lambda k, b: evicted.append(k)
     for i in range(4):
         t.put(f"k{i}", blk(64, i))
-    t.pin("k0")
+    assert t.get("k0") is not None  # a read makes k0 the most recent
     assert t.get("k1", touch=False) is not None  # a peek keeps k1 least recent
     t.resize(600)
-    assert evicted == ["k1", "k2"] and t.keys() == ["k0", "k3"] and t.nbytes <= 600
+    assert evicted == ["k1", "k2"] and t.keys() == ["k3", "k0"] and t.nbytes <= 600
     with pytest.raises(ValueError, match="capacity=-3"):
         t.resize(-3)

@@ -1,9 +1,15 @@
-import time
-
 import pytest
 import torch
 
-from lessmem.offload import DeviceTier, DiskTier, HostTier, RedisTier, TierFullError, TierStack
+from lessmem.offload import (
+    DeviceTier,
+    DiskTier,
+    HostTier,
+    RedisTier,
+    TierFullError,
+    TierStack,
+    TierUnavailableError,
+)
 
 
 def blk(i, n=64):
@@ -47,22 +53,47 @@ def test_oversize_goes_to_next_tier_and_full_stack_raises(tmp_path):
         s.put("huge", blk(0, n=4096))
 
 
-def test_prefetch_lateness_is_recorded():
-    class Slow(HostTier):
-        def get(self, key):
-            time.sleep(0.05)
-            return super().get(key)
+class Refusing(HostTier):
+    """A lower tier that stores nothing while ``error`` is set (disk full, Redis down)."""
 
-    s = TierStack([DeviceTier(0, device="cpu"), Slow(None)])
+    def __init__(self, error=TierFullError):
+        super().__init__(None, name="refusing")
+        self.error = error
+
+    def put(self, key, block):
+        if self.error is not None:
+            raise self.error(f"{self.name} refuses {key!r}")
+        super().put(key, block)
+
+
+@pytest.mark.parametrize("error", [TierFullError, TierUnavailableError])
+def test_a_failed_demotion_loses_no_block(error):
+    low = Refusing(error)
+    s = TierStack([DeviceTier(600, device="cpu"), low])
+    with pytest.warns(RuntimeWarning, match="keeps block 'k0' over its capacity"):
+        for i in range(4):
+            assert s.put(f"k{i}", blk(i)) == "device"
+    assert all(s.where(f"k{i}") == "device" for i in range(4))  # over capacity, nothing lost
+    assert s.stats()["device"]["demote_failures"] == 2 and s.stats()["device"]["evictions"] == 0
+    low.error = None
+    s.put("k4", blk(4))  # the lower tier takes blocks again: demotion resumes
+    assert [s.where(f"k{i}") for i in range(5)] == ["refusing"] * 3 + ["device"] * 2
+    assert all(s.get(f"k{i}")["x"][0].item() == i for i in range(5))
+
+
+def test_no_tier_takes_a_block_names_every_reason(tmp_path):
+    s = TierStack([DeviceTier(100, device="cpu"), Refusing(TierUnavailableError)])
+    with pytest.raises(TierFullError, match=r"no tier could take block 'big': device: .*larger.*refusing: "):
+        s.put("big", blk(0))
+    assert not s.contains("big")
+
+
+def test_flush_keeps_what_no_lower_tier_takes():
+    s = TierStack([HostTier(None), Refusing()])
     s.put("a", blk(1))
-    s.put("b", blk(2))
-    h = s.prefetch("a")
-    assert h.result()["x"][0].item() == 1  # asked at once: late
-    h2 = s.prefetch("b")
-    time.sleep(0.2)
-    assert h2.result()["x"][0].item() == 2  # asked after it arrived: on time
-    p = s.stats()["prefetch"]
-    assert p["issued"] == 2 and p["late"] == 1 and p["on_time"] == 1 and p["late_seconds"] > 0.01
+    with pytest.warns(RuntimeWarning, match="no lower tier took 1 block"):
+        assert s.flush() == ["a"]
+    assert s.where("a") == "host"
 
 
 def test_redis_down_stack_keeps_working(tmp_path, dead_redis_url):

@@ -184,16 +184,15 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
         ('TieredKVCache', 65536, 'host')
         >>> cache.close()
     """
+    from lessmem.base.placement import check_lower_tiers
     from lessmem.offload import check_block_tokens, parse_bytes, parse_offload_spec
 
     spec = resolve_config(spec)
     if spec.kind != "lessmem" or spec.config is None:
         raise ValueError(f"--offload needs a lessmem preset or KVConfig, got {spec.name!r} ({spec.kind}); "
                          "allowed: the names `lessmem presets` lists")
-    tiers = parse_offload_spec(offload)  # syntax errors before any model loads
-    if any(t.kind == "device" for t in tiers):
-        raise ValueError(f"--offload {offload!r} names the device tier; allowed: host, disk:PATH, "
-                         "redis://... (the device's size is --kv-budget)")
+    # syntax errors before any model loads; the device tier is implicit (its size is --kv-budget)
+    check_lower_tiers(parse_offload_spec(offload), what=f"--offload {offload!r}", budget_name="--kv-budget")
     budget = None if kv_budget is None else parse_bytes(kv_budget, "--kv-budget")
     preset = spec.config
     from lessmem.kvcache.presets import resolve
@@ -207,7 +206,7 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
                              block_tokens=block_tokens, prefetch=prefetch)
 
     detail = {**(spec.detail if isinstance(spec.detail, dict) else {"config": spec.detail}),
-              "offload": offload, "device_budget": budget, "block_tokens": block_tokens,
+              "offload": redact_offload_text(offload), "device_budget": budget, "block_tokens": block_tokens,
               "prefetch": bool(prefetch)}
     return CacheSpec(spec.name, make, "lessmem", detail, preset)
 

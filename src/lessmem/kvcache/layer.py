@@ -59,6 +59,15 @@ def _side(spec: KVTensorConfig, codes, scale, zp, head_dim) -> QuantSide:
     return QuantSide(codes, scale, zp if layout.has_zero_point else None, layout)
 
 
+def count_part(m: dict[str, int], name: str, nbytes: int) -> None:
+    """Add ``nbytes`` of the history part ``name`` (``k_codes``, ``v_scale``,
+    ``k_zero_point``...) to a ``memory()`` dict: under its kind (``codes``, ``scales``,
+    ``zero_points``) and its side (``k_quant_bytes`` / ``v_quant_bytes``)."""
+    kind = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
+    m[kind] += nbytes
+    m["k_quant_bytes" if name.startswith("k_") else "v_quant_bytes"] += nbytes
+
+
 class QuantizedKVLayer(CacheLayerMixin):
     """Quantized cache layer; see the module doc. Built by :class:`~lessmem.kvcache.KVCache`."""
 
@@ -209,9 +218,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         m["window"] = nb(self.window[0]) + nb(self.window[1])
         if self.history is not None:
             for name, t in self.history.items():
-                part = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
-                m[part] += nb(t)
-                m["k_quant_bytes" if name.startswith("k_") else "v_quant_bytes"] += nb(t)
+                count_part(m, name, nb(t))
             m["quant_elements"] = self.batch_size * self.num_heads * self.n_history * self.head_dim
         return m
 

@@ -75,41 +75,44 @@ class MemoryTier(Tier):
         with self._lock:
             old = self._blocks.get(key)
             held = self._held - (old[1] if old else 0)
-            order = [(k, v[1]) for k, v in self._blocks.items() if k != key]
-            victims = self._victims(order, held, n)
+            lru = ((k, v[1]) for k, v in self._blocks.items() if k != key)  # read only as far as needed
+            victims = self._victims(lru, held, n)
             pin = self.device.type == "cpu" and torch.cuda.is_available() and \
                 self.pinned_bytes + n <= self.pinned_pool
             stored = move_block(block, self.device, pin)
             for k in victims:
-                self._drop(k, evicted=True)
+                if not self._evict(k):
+                    break  # no lower tier takes blocks now: keep them (over capacity, counted)
             if key in self._blocks:
-                self._drop(key, evicted=False)
+                self._remove(key)
             self._blocks[key] = (stored, n, pin)
             self._held += n
             self.pinned_bytes += n if pin else 0
             self.stats.puts += 1
             self._timed(False, n, t0)
 
-    def _drop(self, key: str, evicted: bool) -> dict:
-        if evicted:  # demote first: a concurrent reader finds the block in one tier or the other
-            self.stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(key, self._blocks[key][0])
-        block, n, pin = self._blocks.pop(key)
+    def _evict(self, key: str) -> bool:
+        """Demote ``key`` (``on_evict``) and drop it; False (kept) when no lower tier took it.
+        Demoted first: a concurrent reader finds the block in one tier or the other."""
+        if not self._hand_down(key, self._blocks[key][0]):
+            return False
+        self.stats.evictions += 1
+        self._remove(key)
+        return True
+
+    def _remove(self, key: str) -> None:
+        _, n, pin = self._blocks.pop(key)
         self._held -= n
         self.pinned_bytes -= n if pin else 0
-        return block
 
     def resize(self, capacity: int | None) -> None:
-        """Change the byte budget, evicting least-recently-used unpinned blocks to fit."""
+        """Change the byte budget, evicting least-recently-used blocks to fit (a block that
+        no lower tier takes stays, and the tier stays over its capacity)."""
         with self._lock:
             self.capacity = check_capacity(capacity)
-            if capacity is None or self._held <= capacity:
-                return
-            for k in [k for k in self._blocks if k not in self._pinned]:
-                if self._held <= capacity:
+            while capacity is not None and self._held > capacity and self._blocks:
+                if not self._evict(next(iter(self._blocks))):
                     break
-                self._drop(k, evicted=True)
 
     def get(self, key: str, touch: bool = True) -> dict | None:
         """The block (``touch=False``: without making it most recently used)."""
@@ -142,8 +145,7 @@ class MemoryTier(Tier):
         with self._lock:
             if key not in self._blocks:
                 return False
-            self._drop(key, evicted=False)
-            self._pinned.discard(key)
+            self._remove(key)
             self.stats.deletes += 1
             return True
 

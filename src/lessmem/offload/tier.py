@@ -1,9 +1,13 @@
 """The tier interface every store implements, its statistics and its errors.
 
 A tier maps string keys to *blocks* (``dict[str, Tensor | QTensor]``) within a byte
-``capacity`` (None = unbounded) and evicts least-recently-used unpinned blocks to make
-room, handing each evicted block to ``on_evict(key, block)`` (the stack uses that to
-demote it to the next tier). ``get`` returns None on a miss — and also when a block
+``capacity`` (None = unbounded) and evicts least-recently-used blocks to make room,
+handing each evicted block to ``on_evict(key, block)`` first (the stack uses that to
+demote it to the next tier). A block leaves a tier only after ``on_evict`` returned:
+when it raises :class:`TierFullError` or :class:`TierUnavailableError` (no lower tier
+took the block) the block stays where it is, over capacity, counted in
+``stats.demote_failures`` with one warning per tier. A tier without ``on_evict`` (the
+last one) drops what it evicts. ``get`` returns None on a miss — and also when a block
 fails verification: a corrupted block is counted (``stats.corrupt``), warned about and
 never returned.
 
@@ -21,16 +25,16 @@ from __future__ import annotations
 import re
 import threading
 import time
+import warnings
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 _KEY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 
 
 class TierFullError(ValueError):
-    """A block cannot be stored: larger than the tier, everything else pinned, or disk full."""
+    """A block cannot be stored: larger than the tier's capacity, or the disk is full."""
 
 
 class TierUnavailableError(RuntimeError):
@@ -66,6 +70,7 @@ class TierStats:
     evictions: int = 0
     corrupt: int = 0  # blocks that failed verification (reported as misses)
     errors: int = 0  # failed operations (e.g. remote store unreachable)
+    demote_failures: int = 0  # evictions undone: no lower tier took the block, so it stayed
     bytes_read: int = 0
     bytes_written: int = 0
     read_seconds: float = 0.0
@@ -84,7 +89,7 @@ class TierStats:
 
 
 class Tier(ABC):
-    """Base class: key checks, pins, stats, a lock and ``get_async`` on a small pool."""
+    """Base class: key checks, stats, a lock and the hand-down of evicted blocks."""
 
     kind = "tier"
 
@@ -93,9 +98,8 @@ class Tier(ABC):
         self.capacity = check_capacity(capacity)
         self.stats = TierStats()
         self.on_evict: Callable[[str, dict], None] | None = None
-        self._pinned: set[str] = set()
         self._lock = threading.RLock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._warned_demotion = False
 
     # -- the interface --------------------------------------------------------------
     @abstractmethod
@@ -122,13 +126,6 @@ class Tier(ABC):
     def nbytes(self) -> int:
         """Bytes this tier holds now (as stored: tensors in RAM, files on disk)."""
 
-    def get_async(self, key: str) -> Future:
-        """``get`` on a background thread; the future's result is the block or None."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(2, thread_name_prefix=f"lessmem-{self.name}")
-        return self._pool.submit(self.get, key)
-
     def get_many(self, keys: list[str], threads: int = 1) -> list[dict | None]:
         """``[get(k) for k in keys]``; a tier that can read a batch faster overrides it
         (``threads``: how many cores it may use)."""
@@ -143,19 +140,8 @@ class Tier(ABC):
         """Whether the hint with this ticket was carried out (``wait``: block until it is)."""
         return True
 
-    def pin(self, key: str) -> None:
-        """Never evict ``key`` (sinks, window) until ``unpin``."""
-        with self._lock:
-            self._pinned.add(check_key(key))
-
-    def unpin(self, key: str) -> None:
-        with self._lock:
-            self._pinned.discard(key)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    def close(self) -> None:  # noqa: B027 (a hook: most tiers hold nothing open)
+        """Release what the tier holds open (files, connections); the default has nothing."""
 
     def __enter__(self):
         return self
@@ -168,8 +154,11 @@ class Tier(ABC):
         return f"{type(self).__name__}({self.name!r}, {self.nbytes} B of {cap})"
 
     # -- helpers for subclasses -----------------------------------------------------
-    def _victims(self, order: list[tuple[str, int]], used: int, need: int) -> list[str]:
-        """LRU-first unpinned keys to drop so that ``used + need <= capacity``."""
+    def _victims(self, order: Iterable[tuple[str, int]], used: int, need: int) -> list[str]:
+        """Keys to evict, least recently used first, so that ``used + need <= capacity``.
+
+        ``order`` yields ``(key, bytes)`` least recently used first; it is read only as far
+        as needed (pass a generator: eviction then costs O(evicted), not O(blocks held))."""
         if self.capacity is None:
             return []
         if need > self.capacity:
@@ -179,14 +168,29 @@ class Tier(ABC):
         for k, n in order:
             if free >= need:
                 break
-            if k not in self._pinned:
-                out.append(k)
-                free += n
-        if free < need:
-            raise TierFullError(
-                f"{self.name} tier is full: {used} of {self.capacity} bytes held, "
-                f"{need} needed, the rest is pinned")
+            out.append(k)
+            free += n
         return out
+
+    def _hand_down(self, key: str, block: dict | None) -> bool:
+        """Give an evicted block to ``on_evict``; True when the block may leave this tier.
+
+        False (the block must stay) when ``on_evict`` raised TierFullError or
+        TierUnavailableError: no lower tier took it. Counted in ``stats.demote_failures``;
+        the first time, one RuntimeWarning names the tier and the reason."""
+        if self.on_evict is None or block is None:
+            return True
+        try:
+            self.on_evict(key, block)
+            return True
+        except (TierFullError, TierUnavailableError) as e:
+            self.stats.demote_failures += 1
+            if not self._warned_demotion:
+                self._warned_demotion = True
+                warnings.warn(f"{self.name} tier keeps block {key!r} over its capacity: no lower tier "
+                              f"could take it ({e}); further failed demotions are only counted "
+                              "(stats demote_failures)", RuntimeWarning, stacklevel=3)
+            return False
 
     def _timed(self, read: bool, nbytes: int, t0: float) -> None:
         dt = time.perf_counter() - t0

@@ -1,0 +1,359 @@
+"""``TieredKVCache``: the quantized KV cache with its history spread over tiers.
+
+The cache is a :class:`~lessmem.kvcache.KVCache` whose quantized layers are
+:class:`~.layer.TieredKVLayer` objects, plus the objects they share:
+
+- :class:`~.blocks.BlockStore`: the cache's tiers (device tier first) and block keys;
+- :class:`~.budget.BudgetAccount` on a :class:`~.budget.DeviceBudget` (which several
+  caches may share): what the cache holds on the device, and the device tier's size;
+- :class:`~.prefetch.Prefetcher`: the background thread and the reads in flight;
+- :class:`~.reader.HistoryReader`: the one read path of the layers' histories;
+- :class:`~.prefix.PrefixStore`: the saved state after a prompt (prefix reuse).
+
+See :mod:`lessmem.kvcache.tiered` for the policy and an example.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+from ...base.placement import check_lower_tiers
+from ...offload import Tier, TierFullError, build_tiers, check_block_tokens, parse_offload_spec
+from ..cache import ATTENTION_MODES, KVCache, cache_kwarg, check_model_config
+from ..config import KVConfig
+from ..layer import QuantizedKVLayer
+from ..presets import resolve
+from ..shape import head_dim as model_head_dim
+from .blocks import BlockStore, join_parts
+from .budget import DeviceBudget
+from .layer import TierContext, TieredKVLayer
+from .prefetch import Prefetcher, check_prefetch
+from .prefix import PrefixStore
+from .reader import HistoryReader
+
+
+def cache_kwargs(model, cache) -> dict:
+    """Forward kwargs passing ``cache`` under :func:`cache_kwarg`, with ``use_cache``."""
+    return {cache_kwarg(model): cache, "use_cache": True}
+
+
+def _lower_tiers(tiers) -> list[Tier]:
+    specs = parse_offload_spec(tiers) if isinstance(tiers, str) else tiers
+    check_lower_tiers(specs if isinstance(specs, list) else [], what="tiers")
+    return build_tiers("host" if specs is None else specs)
+
+
+def _model_id(text) -> str:
+    return "{}:{}:L{}:H{}:KV{}:D{}".format(
+        getattr(text, "_name_or_path", "") or "model", getattr(text, "model_type", "?"),
+        text.num_hidden_layers, text.hidden_size, getattr(text, "num_key_value_heads", 0),
+        getattr(text, "head_dim", 0) or 0)
+
+
+def _check_window(attention_window, block_tokens: int, sinks: int) -> None:
+    if attention_window is None:
+        return
+    if isinstance(attention_window, bool) or not isinstance(attention_window, int) \
+            or attention_window < block_tokens or attention_window % block_tokens:
+        raise ValueError(f"attention_window={attention_window!r}; allowed: None or a positive "
+                         f"multiple of block_tokens {block_tokens}")
+    if sinks:
+        raise ValueError(f"attention_window needs a config with sinks=0 (got sinks={sinks}); "
+                         "allowed: e.g. config.replace(sinks=0)")
+
+
+class TieredKVCache(KVCache):
+    """Quantized KV cache over tiers; see :mod:`lessmem.kvcache.tiered`.
+
+    ``tiers``: lower tiers (fastest first) as a spec string (``"host,disk:/path"``), a
+    list of :class:`~lessmem.offload.Tier` or :class:`~lessmem.offload.TierSpec`.
+    ``device_budget``: bytes (or ``"64MiB"``) the cache may hold on the device, None =
+    unbounded, or a :class:`~.budget.DeviceBudget` shared with other caches.
+    ``block_tokens``: tokens per stored block (multiple of the config's ``block_size``).
+    ``write_policy``: ``"write-back"`` or ``"write-through"``. ``model_id``: names the
+    model in block keys (default: from the model config). ``attention_window``: None
+    (attend to everything) or the sliding-window policy: attend to the most recent
+    blocks covering this many tokens (a multiple of ``block_tokens``; needs ``sinks=0``)
+    plus the window; older blocks stay in the tiers for prefix reuse. ``prefetch``: True
+    (auto), "gather", "hint" or False (:mod:`~lessmem.kvcache.tiered.prefetch`).
+    """
+
+    def __init__(self, model_config, config: str | KVConfig = "int4", tiers=None, device_budget=None,
+                 block_tokens: int = 256, prefetch: bool | str = True, write_policy: str = "write-back",
+                 attention: str = "auto", model_id: str | None = None,
+                 attention_window: int | None = None):
+        text = check_model_config(model_config)  # a model or None: TypeError naming the fix
+        kv_config = resolve(config)  # every argument is checked before any tier is opened
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_MODES)}")
+        check_block_tokens(block_tokens, kv_config.block_size)
+        _check_window(attention_window, block_tokens, kv_config.sinks)
+        budget = device_budget if isinstance(device_budget, DeviceBudget) else DeviceBudget(device_budget)
+        check_prefetch(prefetch)
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.block_tokens, self.attention_window = block_tokens, attention_window
+        self.model_id = model_id or _model_id(text)
+        self.store = BlockStore(_lower_tiers(tiers), write_policy, self.model_id,
+                                {**kv_config.to_dict(), "block_tokens": block_tokens}, block_tokens,
+                                kv_config.sinks)
+        self.prefetcher = Prefetcher(prefetch, self.store.lower)
+        self.budget = budget
+        self.account = budget.open(self.store.device_tier, self.prefetcher.enabled)
+        self.account.in_flight = self.prefetcher.in_flight_bytes
+        self.reader = HistoryReader(self.store, self.account, self.prefetcher)
+        self.prefixes = PrefixStore(self.store, kv_config.sinks, block_tokens)
+        self._context = TierContext(self.store, self.account, self.reader, block_tokens,
+                                    None if attention_window is None else attention_window // block_tokens)
+        super().__init__(model_config, kv_config, attention)
+        self._attach()
+
+    def _new_layer(self, layer_idx: int) -> TieredKVLayer:
+        return TieredKVLayer(self.kv_config, layer_idx, self.rotations, self._fused, self._context)
+
+    def _attach(self) -> None:
+        """Tell the account and the reader which layers there are (after any change)."""
+        self.tiered = [la for la in self.layers if isinstance(la, TieredKVLayer) and la.quantized]
+        self.account.attach([la for la in self.layers if isinstance(la, QuantizedKVLayer)], self.tiered)
+        self.reader.attach(self.tiered)
+
+    # ---- the parts, by their old names ---------------------------------------------------
+    @property
+    def stack(self):
+        return self.store.stack
+
+    @property
+    def lower(self) -> list[Tier]:
+        return self.store.lower
+
+    @property
+    def device_tier(self):
+        return self.store.device_tier
+
+    @property
+    def session(self) -> str:
+        return self.store.session
+
+    @property
+    def prefetch(self) -> str | None:
+        """What reading ahead does now: "gather", "hint" or None."""
+        return self.prefetcher.mode
+
+    @property
+    def device_budget(self) -> int | None:
+        return self.budget.limit
+
+    @property
+    def device_peak(self) -> int:
+        return self.account.peak
+
+    @property
+    def over_budget(self) -> int:
+        """Reads at which even an empty device tier could not meet the budget."""
+        return self.account.over_budget
+
+    @property
+    def prefill_skipped(self) -> int:
+        return self.prefixes.skipped
+
+    @property
+    def prefix_tokens_reused(self) -> int:
+        return self.prefixes.tokens_reused
+
+    def fp_bytes(self) -> int:
+        """Bytes the layers hold on the device whatever the budget (sinks, windows, partial blocks)."""
+        return self.account.resident()
+
+    def device_bytes(self) -> int:
+        """Bytes held on the device now: device tier, resident, staged, in flight."""
+        return self.account.device_bytes()
+
+    def set_device_budget(self, device_budget) -> None:
+        """Change the device budget (bytes or ``"64MiB"``; None = unbounded) and demote to fit."""
+        self.budget.set_limit(device_budget)
+        self.account.rebalance()
+
+    def set_tokens(self, token_ids) -> None:
+        """Declare the token ids the cache holds/will hold (batch 1): blocks fully inside
+        them are keyed by content (shareable); other blocks get session keys."""
+        ids = torch.as_tensor(token_ids)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(f"token ids of batch {ids.shape[0]}; allowed: batch 1 for prefix keys")
+            ids = ids[0]
+        self.store.set_tokens(ids.reshape(-1).tolist())
+
+    # ---- conversion ----------------------------------------------------------------------
+    @classmethod
+    def from_cache(cls, src: KVCache, **kwargs) -> TieredKVCache:
+        """A tiered copy of a filled in-memory :class:`KVCache` (same config and model
+        config; ``kwargs`` as for the constructor): its sinks and windows are copied,
+        its quantized history is cut into blocks and placed in the tiers."""
+        new = cls(src.model_config, src.kv_config, attention=src.attention, **kwargs)
+        feeds = []
+        for i, s in enumerate(src.layers):
+            d = new.layers[i]
+            if not isinstance(d, TieredKVLayer) or not isinstance(s, QuantizedKVLayer):
+                new.layers[i] = copy.deepcopy(s)
+                continue
+            if not s.is_initialized:
+                continue
+            d.start_like(torch.empty(s.batch_size, s.num_heads, 0, s.head_dim, dtype=s.dtype, device=s.device))
+            if not s.quantized:
+                d.keys, d.values, d.length = s.keys.clone(), s.values.clone(), s.length
+                continue
+            d.load(length=s.length, sinks=(s.sinks[0].clone(), s.sinks[1].clone()),
+                   window=(s.window[0].clone(), s.window[1].clone()))
+            if s.history is not None:
+                feeds.append((d, s.history, s.n_history))
+        new._attach()
+        # position-major, so that the device tier's LRU order is the age of the tokens
+        bt = new.block_tokens
+        for t0 in range(0, max((n for _, _, n in feeds), default=0), bt):
+            for d, h, n in feeds:
+                if t0 < n:
+                    d.append_quantized(h, t0, min(n, t0 + bt))
+        return new
+
+    def to_kvcache(self) -> KVCache:
+        """An in-memory :class:`KVCache` holding the same state (every block gathered)."""
+        out = KVCache(self.model_config, self.kv_config, attention=self.attention)
+        for i, d in enumerate(self.layers):
+            s = out.layers[i]
+            if not isinstance(d, TieredKVLayer) or not d.is_initialized:
+                continue
+            s.lazy_initialization(*(2 * [torch.empty(d.batch_size, d.num_heads, 0, d.head_dim,
+                                                     dtype=d.dtype, device=d.device)]))
+            s.length = d.length
+            if not d.quantized:
+                s.keys, s.values = d.keys.clone(), d.values.clone()
+                continue
+            s.sinks = (d.sinks[0].clone(), d.sinks[1].clone())
+            s.window = (d.window[0].clone(), d.window[1].clone())
+            parts = self.reader.gather(d, list(d.block_keys), d.pending)
+            s.history = join_parts(parts) if parts else None
+            s.n_history = d.n_history
+        return out
+
+    # ---- prefix persistence --------------------------------------------------------------
+    def _check_restorable(self) -> None:
+        if len(self.tiered) != len(self.layers):
+            raise ValueError("prefix save/restore needs every layer quantized; allowed: configs "
+                             "without skip_layers and models without exact sliding-window layers")
+
+    def _check_empty(self, what: str) -> None:
+        if self.get_seq_length():
+            raise ValueError(f"{what} needs an empty cache; allowed: a fresh cache or after reset()")
+
+    def save_prefix(self, token_ids, logits: torch.Tensor | None = None) -> str:
+        """Persist the state after ``token_ids`` (:mod:`~.prefix`); returns the record key."""
+        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        if self.get_seq_length() != len(ids):
+            raise ValueError(f"the cache holds {self.get_seq_length()} tokens, token_ids has "
+                             f"{len(ids)}; allowed: the ids the cache was filled with")
+        self._check_restorable()
+        self.prefetcher.drain()  # block keys may change below: no gather may be in flight
+        self.set_tokens(ids)
+        return self.prefixes.save(self.tiered, ids, logits)
+
+    def restore_blocks(self, token_ids, dtype=None, device=None) -> int:
+        """Load the longest run of leading blocks of ``token_ids`` that the lower tiers
+        hold for every layer (saved by any cache with the same model id and config),
+        leaving at least one token to compute; returns the tokens restored (0: none).
+
+        The restored tokens are quantized history, exactly as stored; the caller feeds the
+        rest of the prompt. The result is not bit-identical to a full prefill: there, the
+        later prompt tokens attended to the last restored ones while those were still in
+        the full-precision window (a difference of the same kind as the cache's own)."""
+        self._check_restorable()
+        self._check_empty("restore_blocks")
+        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        self.set_tokens(ids)
+        text = self.model_config.get_text_config() if hasattr(self.model_config, "get_text_config") \
+            else self.model_config
+        dtype = dtype or getattr(text, "torch_dtype", None) or torch.float32
+        return self.prefixes.restore_blocks(self.tiered, ids, model_head_dim(text), dtype, device)
+
+    def restore_prefix(self, token_ids) -> torch.Tensor | None:
+        """Load the state saved for exactly ``token_ids``; returns its logits (or an empty
+        tensor if none were saved), or None when no complete record is found."""
+        self._check_restorable()
+        self._check_empty("restore_prefix")
+        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        self.set_tokens(ids)
+        return self.prefixes.restore(self.tiered, ids)
+
+    def prefill(self, model, input_ids: torch.Tensor, chunk: int | None = None, save: bool = True,
+                reuse_prefix: bool = True):
+        """Logits [B, vocab] after ``input_ids``: restored from the tiers when this exact
+        prompt was saved before (prefill skipped); else, with ``reuse_prefix``, the leading
+        blocks the tiers hold for this prompt's prefix are loaded (:meth:`restore_blocks`)
+        and only the rest is computed, in chunks of ``chunk`` tokens (default
+        ``block_tokens``); saved when ``save`` (a save no tier can hold is warned about,
+        the logits are returned all the same)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}; allowed: [batch, tokens]")
+        single = input_ids.shape[0] == 1 and len(self.tiered) == len(self.layers)
+        start = 0  # prompt tokens already in the cache (restored blocks)
+        if single and not self.get_seq_length():
+            logits = self.restore_prefix(input_ids[0])
+            if logits is not None and logits.numel():
+                return logits.to(model.device if hasattr(model, "device") else "cpu")
+            if logits is not None:
+                raise ValueError("the saved prefix has no logits; allowed: restore_prefix() then feed a token")
+            self.set_tokens(input_ids[0])
+            if reuse_prefix:
+                start = self.restore_blocks(input_ids[0], dtype=getattr(model, "dtype", None),
+                                            device=getattr(model, "device", None))
+        step = chunk or self.block_tokens
+        out = None
+        with torch.no_grad():
+            for a in range(start, input_ids.shape[1], step):
+                out = model(input_ids[:, a:a + step], **cache_kwargs(model, self))
+        logits = out.logits[:, -1].float()
+        if save and single:
+            try:
+                self.save_prefix(input_ids[0], logits)
+            except TierFullError as e:  # the prefill stands: its blocks stay readable where they are
+                warnings.warn(f"the prompt's state was not saved for reuse ({e}); allowed: a lower "
+                              "tier with room for it", RuntimeWarning, stacklevel=2)
+        return logits
+
+    # ---- reporting / lifecycle -----------------------------------------------------------
+    def memory(self) -> dict:
+        """``KVCache.memory()`` plus ``device_bytes``, ``device_peak`` and ``tiers`` (bytes per tier)."""
+        out = super().memory()
+        out.update(device_bytes=self.device_bytes(), device_peak=self.device_peak,
+                   device_budget=self.device_budget, tiers=self.store.stack.placement())
+        return out
+
+    def offload_stats(self) -> dict:
+        """Per-tier hits, misses, bytes moved, GB/s; prefetch on-time/late counts; prefix
+        reuse; ``over_budget`` (reads over the device budget), ``needed_budget`` (the most
+        this cache needed on the device besides its device tier) and ``refused_blocks``
+        (seals no tier took: their tokens stayed on the device)."""
+        out = self.store.stack.stats()
+        out["prefetch"] = self.prefetcher.stats.to_dict()
+        out["prefill_skipped"] = self.prefill_skipped
+        out["prefix_tokens_reused"] = self.prefix_tokens_reused
+        out["over_budget"] = self.over_budget
+        out["needed_budget"] = int(self.account.needed)
+        out["refused_blocks"] = self.store.refused
+        return out
+
+    def reset(self) -> None:
+        self.prefetcher.drain()
+        self.account.staged = 0
+        super().reset()
+
+    def close(self, keep_session: bool = False) -> None:
+        """Stop the prefetcher, drop this session's (non-shareable) blocks, close the tiers."""
+        self.prefetcher.close()
+        self.account.close()
+        self.store.close(keep_session, [k for la in self.tiered for k in la.block_keys])
+
+    def __repr__(self) -> str:
+        return (f"TieredKVCache(layers={len(self.layers)}, config={self.kv_config}, "
+                f"tiers={[t.name for t in self.store.stack.tiers]}, device_budget={self.device_budget})")
