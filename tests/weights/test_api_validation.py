@@ -138,6 +138,8 @@ QUANTIZE_CASES = [
      TypeError, "filter_fn must be None or a function"),
     ("progress str", lambda m: lessmem.quantize_(m, RTNConfig(group_size=32), progress="no"),
      TypeError, "progress must be True or False"),
+    ("save_quantized of None", lambda m: lessmem.save_quantized(None, "/nonexistent/x"), TypeError,
+     "save_quantized needs a transformers model"),
     ("config a dict", lambda m: lessmem.quantize_(m, {"bits": 4}), ValueError, "must be a weight config"),
     ("missing Path", lambda m: lessmem.quantize_(m, GPTQConfig(group_size=32), progress=False,
                                                  calibration=Path("/nope/c.txt")),
@@ -182,6 +184,9 @@ def test_calibration_text_uses_the_tokenizer_lessmem_load_returned(tmp_path):
                             calibration="some calibration text, " * 20, progress=False)
     assert rep["calibration"]["tokens"] == 32
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
+    lessmem.save_quantized(model, tmp_path / "q")  # the tokenizer travels with the model
+    model2, tok2 = lessmem.load(str(tmp_path / "q"))
+    assert tok2("héllo")["input_ids"] == tok("héllo")["input_ids"]
     with pytest.raises(ValueError, match="needs tokenizer"):  # a model built by hand has none
         lessmem.quantize_(tiny_random("llama"), GPTQConfig(group_size=32), calibration="text",
                           progress=False)

@@ -62,7 +62,13 @@ WEIGHTS = "model.safetensors"
 
 
 def save_quantized(model, directory, tokenizer=None) -> None:
-    """Write ``model`` (with its QuantLinear layers) to ``directory`` (see the module doc)."""
+    """Write ``model`` (with its QuantLinear layers) to ``directory`` (see the module doc);
+    ``tokenizer`` defaults to the one ``lessmem.load`` returned with the model."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"save_quantized needs a transformers model (with .config), got "
+                        f"{type(model).__name__}")
+    if tokenizer is None:
+        tokenizer = getattr(model, "_lessmem_tokenizer", None)
     from safetensors.torch import save_file
 
     d = Path(directory)
