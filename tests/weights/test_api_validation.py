@@ -190,3 +190,26 @@ def test_calibration_text_uses_the_tokenizer_lessmem_load_returned(tmp_path):
     with pytest.raises(ValueError, match="needs tokenizer"):  # a model built by hand has none
         lessmem.quantize_(tiny_random("llama"), GPTQConfig(group_size=32), calibration="text",
                           progress=False)
+
+
+@pytest.mark.parametrize("arg,exc,words", [
+    ({"method": "rtn", "bitz": 4}, ValueError, "RTNConfig.from_dict: unknown keys ['bitz']"),
+    ({"method": "nope"}, ValueError, "method='nope'; allowed: rtn"),
+    ({"method": "gptq", "act_order": "no"}, ValueError, "act_order='no' must be True or False"),
+    (None, TypeError, "needs a dict as written by to_dict()"),
+])
+def test_weight_config_from_dict(arg, exc, words):
+    from lessmem.weights.config import WeightConfig
+
+    with pytest.raises(exc) as e:
+        WeightConfig.from_dict(arg)
+    assert words in str(e.value)
+    cfg = GPTQConfig(group_size=32, skip=("lm_head", "*.v_proj"))
+    assert WeightConfig.from_dict(cfg.to_dict()) == cfg  # the round trip still holds
+
+
+def test_load_quantized_needs_a_path():
+    from lessmem.weights.checkpoint import load_quantized
+
+    with pytest.raises(TypeError, match="load_quantized needs a directory path, got NoneType"):
+        load_quantized(None)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -123,6 +124,8 @@ def load_quantized(directory):
     the model is built on the meta device and takes the stored tensors as they are, so the
     float model is never allocated (peak memory is about the checkpoint's size).
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"load_quantized needs a directory path, got {type(directory).__name__}")
     d = Path(directory)
     if not (d / MARKER).exists():
         raise ValueError(f"{d} holds no {MARKER}; not a lessmem quantized checkpoint")
@@ -142,6 +145,7 @@ def load_quantized(directory):
         import transformers
 
         tok = transformers.AutoTokenizer.from_pretrained(str(d))
+        model._lessmem_tokenizer = tok  # as lessmem.load does: quantize_/save_quantized use it
     return model, tok
 
 

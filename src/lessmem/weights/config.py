@@ -161,15 +161,24 @@ class WeightConfig:
 
     @staticmethod
     def from_dict(d: dict) -> WeightConfig:
+        """The config ``to_dict`` wrote (``method`` picks the class; default ``"rtn"``)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"WeightConfig.from_dict needs a dict as written by to_dict(), got "
+                            f"{type(d).__name__}")
         d = dict(d)
         method = d.pop("method", "rtn")
         classes = {c.method: c for c in (RTNConfig, GPTQConfig, AWQConfig, SmoothQuantConfig,
                                          HQQConfig)}
         if method not in classes:
             raise ValueError(f"method={method!r}; allowed: {', '.join(classes)}")
-        if "skip" in d:
+        cls = classes[method]
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{cls.__name__}.from_dict: unknown keys {sorted(unknown)}; allowed: "
+                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        if isinstance(d.get("skip"), list):
             d["skip"] = tuple(d["skip"])
-        return classes[method](**d)
+        return cls(**d)
 
 
 @dataclass(frozen=True)
