@@ -157,3 +157,20 @@ def test_behind_a_host_tier_redis_dying_loses_nothing_the_host_holds(redis_proc)
     assert got[0] is None and got[1] is None  # lost with the server: misses, recomputed by the cache
     assert all(got[i]["i"].item() == i for i in range(2, 8))
     assert host.stats.demote_failures > 0
+
+
+def test_password_redacted_in_plan_rows_and_eval_details():
+    import json
+
+    from lessmem.base.tierspec import redact_offload_text
+    from lessmem.eval.caches import resolve_config, with_offload
+    from lessmem.plan.kv import get_kv
+    from lessmem.plan.models import get_model
+    from lessmem.plan.tiers import tier_split
+
+    off = f"host@8MiB,redis://:{PASSWORD}@10.0.0.9:6379/0@1GiB"
+    assert redact_offload_text(off) == "host@8MiB,redis://:***@10.0.0.9:6379/0@1GiB"
+    split = tier_split(get_model("smollm2-135m"), get_kv("lessmem:int4"), 4096, kv_budget="16MiB", offload=off)
+    assert PASSWORD not in json.dumps(split) and split["tiers"][-1]["target"] == "redis://:***@10.0.0.9:6379/0"
+    spec = with_offload(resolve_config("int4"), off, "64KiB")
+    assert PASSWORD not in json.dumps(spec.detail, default=str)

@@ -88,6 +88,29 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{netloc}{tail}"
 
 
+def redact_offload_text(text):
+    """An ``--offload`` string with every Redis password shown as ``***`` (for reports and
+    messages that echo what the user typed); anything but a str is returned as is.
+
+    Example:
+        >>> redact_offload_text("host@1GiB,redis://:pw@h:6379/0@2MiB")
+        'host@1GiB,redis://:***@h:6379/0@2MiB'
+    """
+    if not isinstance(text, str):
+        return text
+    out = []
+    for entry in text.split(","):
+        head, size = entry, ""
+        if "@" in entry:
+            try:
+                parse_bytes(entry.rsplit("@", 1)[1])
+                head, size = entry.rsplit("@", 1)[0], "@" + entry.rsplit("@", 1)[1]
+            except ValueError:
+                pass
+        out.append(redact_url(head) + size)
+    return ",".join(out)
+
+
 def format_offload_spec(specs) -> str:
     """The ``--offload`` string for a list of :class:`TierSpec` (inverse of ``parse_offload_spec``)."""
     return ",".join(s.to_text() for s in specs)

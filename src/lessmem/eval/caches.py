@@ -185,6 +185,7 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
         >>> cache.close()
     """
     from lessmem.base.placement import check_lower_tiers
+    from lessmem.base.tierspec import redact_offload_text
     from lessmem.offload import check_block_tokens, parse_bytes, parse_offload_spec
 
     spec = resolve_config(spec)
@@ -192,7 +193,7 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
         raise ValueError(f"--offload needs a lessmem preset or KVConfig, got {spec.name!r} ({spec.kind}); "
                          "allowed: the names `lessmem presets` lists")
     # syntax errors before any model loads; the device tier is implicit (its size is --kv-budget)
-    check_lower_tiers(parse_offload_spec(offload), what=f"--offload {offload!r}", budget_name="--kv-budget")
+    check_lower_tiers(parse_offload_spec(offload), what=f"--offload {redact_offload_text(offload)!r}", budget_name="--kv-budget")
     budget = None if kv_budget is None else parse_bytes(kv_budget, "--kv-budget")
     preset = spec.config
     from lessmem.kvcache.presets import resolve

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..base.tierspec import TierSpec, format_offload_spec, parse_offload_spec, size_text
+from ..base.tierspec import TierSpec, format_offload_spec, parse_offload_spec, redact_url, size_text
 from ..base.units import parse_bytes
 from .kv import KVPrecision, layer_quant_bytes
 
@@ -182,7 +182,7 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
     left = state["demoted"]
     for s in specs:
         n = left if s.capacity is None else min(left, s.capacity // bb)
-        rows.append({"tier": s.kind, "target": s.target,
+        rows.append({"tier": s.kind, "target": redact_url(s.target) if s.kind == "remote" else s.target,
                      "capacity": s.capacity, "blocks": n, "bytes": n * bb})
         left -= n
     resident = int(round(L * fp(pre)))
