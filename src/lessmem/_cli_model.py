@@ -130,3 +130,25 @@ def _gguf_header_values(path: Path, wanted: tuple[str, ...]) -> dict | None:
             if len(out) == len(wanted):
                 break
     return out
+
+
+def check_model(name: str, option: str = "--model") -> None:
+    """OptionError unless ``name`` can name a model: a built-in alias, a ``.gguf`` file, a
+    model directory (``config.json`` or a lessmem checkpoint), or a hub id ``org/name``
+    (the same rules as :func:`lessmem.models.load`, checked without loading anything)."""
+    from lessmem import models
+    from lessmem._cli_types import OptionError
+
+    p = Path(str(name)).expanduser()
+    if name in models.BUILTIN or (p.is_file() and p.suffix == ".gguf"):
+        return
+    if p.is_dir() and str(name).strip():
+        if (p / "config.json").is_file() or (p / models.QUANT_MARKER).is_file():
+            return
+        raise OptionError(option, name, f"the directory has no config.json (nor {models.QUANT_MARKER}); "
+                          "allowed: a HF model directory, a .gguf file, a hub id or a built-in alias")
+    if not p.exists() and models._looks_like_hub_id(str(name)):
+        return
+    raise OptionError(option, name, f"unknown model {str(name)!r}; allowed: a built-in alias "
+                      f"({', '.join(models.BUILTIN)}), an existing .gguf file or model directory, "
+                      "or a hub id org/name")

@@ -365,17 +365,25 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         m = re.match(r"argument ([^:]+): (.*)", message, re.S)
         if m:
-            names = m.group(1).split("/")
-            name = max(names, key=len)
-            rest = m.group(2)
-            message = f"{name}: {rest}" if rest.startswith(_ARGPARSE_WORDS) else f"{name} {rest}"
-            c = re.fullmatch(r"invalid choice: '(.*)' \(choose from (.*)\)", rest, re.S)
-            if c:
-                message = f"{name} {show(c.group(1))}: allowed: {c.group(2).replace(chr(39), '')}"
+            name = max(m.group(1).split("/"), key=len)
+            message = self._reword(name, " ".join(m.group(2).split()))
         message = " ".join(message.split())
-        if "--help" not in message and self.prog != "lessmem":
-            message += f" (see {self.prog} --help)" if "allowed" not in message else ""
+        if not any(w in message for w in ("allowed", "required", "needs")):
+            message += f"; allowed: see {self.prog} --help"
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    @staticmethod
+    def _reword(name: str, rest: str) -> str:
+        """argparse's own phrases in this module's form: ``--opt VALUE: allowed ...``."""
+        c = re.fullmatch(r"invalid choice: '(.*)' \(choose from (.*)\)", rest)
+        if c:
+            return f"{name} {show(c.group(1))}: allowed: {c.group(2).replace(chr(39), '')}"
+        if rest.startswith("expected one argument"):
+            return f"{name}: needs a value"
+        e = re.fullmatch(r"ignored explicit argument '(.*)'", rest)
+        if e:
+            return f"{name}={show(e.group(1))}: allowed: {name} alone (a flag takes no value)"
+        return f"{name}: {rest}" if rest.startswith(_ARGPARSE_WORDS) else f"{name} {rest}"
 
 
 def fail(prog: str, message: str, code: int = 2) -> int:

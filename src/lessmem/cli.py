@@ -76,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         if extra:
-            return fail("lessmem", f"unrecognized arguments: {' '.join(extra)}; see lessmem --help")
+            return fail("lessmem", f"unrecognized arguments: {' '.join(extra)}; allowed: see lessmem --help")
         parser.print_help()
         return 0
     prog = f"lessmem {args.command}"
     if extra:
-        return fail(prog, f"unrecognized arguments: {' '.join(extra)}; see {prog} --help")
+        return fail(prog, f"unrecognized arguments: {' '.join(extra)}; allowed: see {prog} --help")
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         if hasattr(module, "check"):

@@ -27,7 +27,7 @@ import os
 import sys
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import peek_model
+from lessmem._cli_model import check_model, peek_model
 
 HELP = "measure perplexity, KLD, retrieval, bytes and speed of KV caches"
 
@@ -143,6 +143,7 @@ def check(args) -> None:
     except ValueError as exc:
         raise T.OptionError("--kv", args.kv, str(exc)) from None
     args.names, args.configs = names, offload_configs(args, specs)  # unknown names fail here
+    check_model(args.model)
     shape = peek_model(args.model)
     check_lengths(args, shape and shape["context"])
 

@@ -85,7 +85,10 @@ def check(args) -> None:
         try:
             path = model_gguf_path(args.model)
         except ValueError as exc:
-            raise T.OptionError("--model", args.model, str(exc).removeprefix(f"--model {args.model!r}: ")) from None
+            msg = str(exc).removeprefix(f"--model {args.model!r}: ").replace("give a built-in", "allowed: a built-in")
+            if "allowed" not in msg:
+                msg += "; allowed: an existing .gguf file or a built-in alias"
+            raise T.OptionError("--model", args.model, msg) from None
         if peek_model(str(path)) is None:
             raise T.OptionError("--model", args.model, "not a valid GGUF file; allowed: a .gguf file "
                                 "or a built-in alias")

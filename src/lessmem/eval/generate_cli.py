@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import peek_model
+from lessmem._cli_model import check_model, peek_model
 from lessmem.base.units import fmt_bytes
 
 HELP = "generate text with a quantized KV cache"
@@ -153,6 +153,7 @@ def check(args) -> None:
     except ValueError as exc:
         raise T.OptionError("--kv", args.kv, str(exc)) from None
     args.spec = offload_spec(args, spec)
+    check_model(args.model)
     shape = peek_model(args.model)
     check_context("--max-new-tokens", args.max_new_tokens, args.max_new_tokens, shape and shape["context"],
                   "of new tokens")

@@ -68,12 +68,20 @@ PCIE_GENS = (1, 2, 3, 4, 5, 6)
 MAX_FORWARDS = 100_000  # the --offload simulation walks every forward: keep it to seconds
 
 
+HINTS = {"--model": "a model preset (see --list) or a path to a HF config.json",
+         "--hardware": "a hardware preset (see --list)", "--kv": "KV precisions (see --list)",
+         "--weights": "weight formats (see --list)", "--params": "a parameter count such as 8e9 or 8B"}
+
+
 def _named_check(option: str, value, fn, *a):
-    """``fn(*a)``, its ValueError prefixed with the option it is about."""
+    """``fn(*a)``, its ValueError prefixed with the option it is about (and what is allowed)."""
     try:
         return fn(*a)
     except ValueError as exc:
-        raise T.OptionError(option, value, str(exc)) from None
+        msg = str(exc)
+        if "allowed" not in msg and "choose one of" not in msg:
+            msg += f"; allowed: {HINTS[option]}"
+        raise T.OptionError(option, value, msg) from None
 
 
 def check(args) -> None:

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import peek_model
+from lessmem._cli_model import check_model, peek_model
 
 HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, GGUF)"
 METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant")
@@ -127,8 +127,10 @@ def check(args) -> None:
             raise T.OptionError("--type", args.type, str(exc)) from None
         args.source = _source_gguf(args.model)
         if peek_model(str(args.source)) is None:
-            raise T.OptionError("--model", args.model, "not a valid GGUF file")
+            raise T.OptionError("--model", args.model, "not a valid GGUF file; allowed: a .gguf file "
+                                "or a built-in alias")
         return
+    check_model(args.model)
     args.out = T.apply("--out", T.out_dir, args.out)
     args.config = build_config(args)
     shape = peek_model(args.model)
