@@ -461,3 +461,45 @@ def test_fuzzed_values_never_traceback(cmd, data, files, tmp_path, no_work, caps
     if rc == 2:
         assert len(err.strip().splitlines()) == 1 and err.startswith("lessmem"), (argv, err)
     assert _listing(tmp_path) == before, argv
+
+
+# ------------------------------------------------------------------------- the dispatcher
+
+def _patched_run(monkeypatch, fn):
+    import lessmem.presets_cli
+
+    monkeypatch.setattr(lessmem.presets_cli, "run", fn)
+
+
+def _raise(exc):
+    def run(args):
+        raise exc
+    return run
+
+
+def test_library_errors_reach_the_user_as_one_line(monkeypatch, capsys):
+    _patched_run(monkeypatch, _raise(ValueError("not a valid GGUF file: x.gguf\n(truncated header)")))
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err == "lessmem presets: error: not a valid GGUF file: x.gguf (truncated header)\n"
+    from lessmem.kvcache.cache import cache_kwarg
+
+    _patched_run(monkeypatch, lambda args: cache_kwarg(object()))  # a TypeError lessmem raises on purpose
+    assert main(["presets"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lessmem presets: error: cache_kwarg") and err.count("\n") == 1
+    _patched_run(monkeypatch, _raise(OSError(28, "No space left on device")))
+    assert main(["presets"]) == 1  # the machine, not the input
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_real_bugs_keep_their_traceback(monkeypatch, capsys):
+    _patched_run(monkeypatch, lambda args: None + 1)  # a TypeError from an operation: a bug
+    with pytest.raises(TypeError):
+        main(["presets"])
+    _patched_run(monkeypatch, _raise(ZeroDivisionError("division by zero")))
+    with pytest.raises(ZeroDivisionError):
+        main(["presets"])
+    _patched_run(monkeypatch, _raise(ValueError("bad")))
+    monkeypatch.setenv("LESSMEM_DEBUG", "1")
+    with pytest.raises(ValueError):
+        main(["presets"])
