@@ -140,7 +140,12 @@ def check_model(name: str, option: str = "--model") -> None:
     from lessmem._cli_types import OptionError
 
     p = Path(str(name)).expanduser()
-    if name in models.BUILTIN or (p.is_file() and p.suffix == ".gguf"):
+    if p.is_file() and p.suffix == ".gguf":
+        if _from_gguf_header(p) is None:
+            raise OptionError(option, name, "not a valid GGUF file (its header does not parse); allowed: "
+                              "a .gguf file, a model directory, a hub id or a built-in alias")
+        return
+    if name in models.BUILTIN:
         return
     if p.is_dir() and str(name).strip():
         if (p / "config.json").is_file() or (p / models.QUANT_MARKER).is_file():
