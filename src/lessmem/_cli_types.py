@@ -4,7 +4,7 @@ Each factory here returns an argparse ``type=`` function. It parses one option's
 and raises ``argparse.ArgumentTypeError`` saying what is allowed; :class:`Parser` turns
 that into ONE line on stderr and exit code 2::
 
-    lessmem eval: error: --threads 1.5: allowed: an integer >= 1
+    lessmem eval: error: --threads 1.5: allowed: an integer in [1, 1024]
 
 :class:`Parser` also prints argparse's own errors (unknown option, missing value, bad
 choice) as one line, without the usage block. Checks that need more than one option, or
@@ -51,6 +51,7 @@ class OptionError(ValueError):
 
 
 def bad(value, allowed: str) -> argparse.ArgumentTypeError:
+    """The error a type function raises: ``VALUE: allowed ...`` (the parser adds the option)."""
     return argparse.ArgumentTypeError(f"{show(value)}: {allowed}")
 
 
@@ -269,7 +270,9 @@ def out_file(suffixes: tuple[str, ...] = ()):
     def parse(text: str) -> Path:
         p = Path(text).expanduser()
         allowed = f"allowed: a file path {ends}in a writable directory"
-        if not text.strip() or p.is_dir() or text.endswith(("/", os.sep)):
+        if not text.strip():
+            raise bad(text, allowed)
+        if p.is_dir() or text.endswith(("/", os.sep)):
             raise bad(text, f"is a directory; {allowed}")
         if suffixes and p.suffix.lower() not in suffixes:
             raise bad(text, allowed)
@@ -289,9 +292,10 @@ def out_dir(text: str) -> Path:
     allowed = "allowed: a directory (existing, or one that can be created) in a writable place"
     if not text.strip() or (p.exists() and not p.is_dir()):
         raise bad(text, f"is a file; {allowed}" if text.strip() else allowed)
-    why = None if p.is_dir() and os.access(p, os.W_OK) else _writable_dir_above(p)
-    if p.is_dir() and not os.access(p, os.W_OK):
-        why = "not writable"
+    if p.is_dir():
+        why = None if os.access(p, os.W_OK | os.X_OK) else "not writable"
+    else:
+        why = _writable_dir_above(p)
     if why:
         raise bad(text, f"{why}; {allowed}")
     return p
