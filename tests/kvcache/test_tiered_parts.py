@@ -174,3 +174,19 @@ def test_construction_checks_before_opening_tiers(tmp_path):
     assert not (tmp_path / "never").exists()
     with pytest.raises(ValueError, match="names the device tier; the device tier is implicit"):
         TieredKVCache(m.config, _gen.CFG, tiers="device,host")
+
+
+def test_the_placement_policy_is_plain_arithmetic():
+    from lessmem.base.placement import blocks_kept, check_lower_tiers, device_need, device_room, staging_reserve
+
+    assert staging_reserve(1000, prefetch=True) == 2000 and staging_reserve(1000, prefetch=False) == 1000
+    need = device_need(resident=3000, growth=500, reserve=2000)
+    assert need == 5500 and device_room(None, need) is None and blocks_kept(None, 100) is None
+    assert device_room(5000, need) == -500 and blocks_kept(-500, 100) == 0  # over budget: keep none
+    assert blocks_kept(device_room(8000, need), 1000) == 2
+    check_lower_tiers([])  # nothing to say
+    with pytest.raises(ValueError, match="offload names the device tier; the device tier is implicit "
+                                         r"\(set its size with kv_budget\)"):
+        from lessmem.offload import parse_offload_spec
+
+        check_lower_tiers(parse_offload_spec("device,host"), what="offload", budget_name="kv_budget")

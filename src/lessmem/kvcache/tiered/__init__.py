@@ -57,7 +57,7 @@ Example:
     >>> model = tiny_random("llama")
     >>> cfg = PRESETS["int4"].replace(window=16, block_size=16)
     >>> cache = TieredKVCache(model.config, cfg, tiers=f"disk:{tempfile.mkdtemp()}",
-    ...                       device_budget="24KiB", block_tokens=32)
+    ...                       device_budget="40KiB", block_tokens=32)
     >>> logits = cache.prefill(model, torch.arange(1, 200).unsqueeze(0))
     >>> cache.device_peak <= cache.device_budget, cache.memory()["tiers"]["disk"] > 0
     (True, True)

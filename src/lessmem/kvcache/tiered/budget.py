@@ -152,19 +152,19 @@ class BudgetAccount:
 
     def resident(self) -> int:
         """Bytes that always stay on the device: every layer's sinks, window, partial block."""
-        return sum(la.fp_bytes() for la in self.resident_layers)
+        return sum(layer.fp_bytes() for layer in self.resident_layers)
 
     def growth(self) -> int:
         """What the layers still to run in this forward add to their windows."""
         return self.forward_tokens * self._cached(
-            "token", lambda: sum(la.token_bytes() for la in self.resident_layers))
+            "token", lambda: sum(layer.token_bytes() for layer in self.resident_layers))
 
     def reserve(self) -> int:
         """Room for histories read from lower tiers (the largest attended history, twice
         with prefetch; kept in "hint" mode too, so the planner's split does not depend on
         the machine's cores)."""
         return self._cached("reserve", lambda: staging_reserve(
-            max((la.visible_history_bytes() for la in self.tiered_layers), default=0), self.prefetch))
+            max((layer.visible_history_bytes() for layer in self.tiered_layers), default=0), self.prefetch))
 
     def need(self, resident: int | None = None) -> float:
         """Bytes needed on the device besides the device tier."""

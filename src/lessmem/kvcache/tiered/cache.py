@@ -15,7 +15,6 @@ See :mod:`lessmem.kvcache.tiered` for the policy and an example.
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import torch
@@ -27,7 +26,7 @@ from ..config import KVConfig
 from ..layer import QuantizedKVLayer
 from ..presets import resolve
 from ..shape import head_dim as model_head_dim
-from .blocks import BlockStore, join_parts
+from .blocks import BlockStore
 from .budget import DeviceBudget
 from .layer import TierContext, TieredKVLayer
 from .prefetch import Prefetcher, check_prefetch
@@ -108,15 +107,15 @@ class TieredKVCache(KVCache):
         self._context = TierContext(self.store, self.account, self.reader, block_tokens,
                                     None if attention_window is None else attention_window // block_tokens)
         super().__init__(model_config, kv_config, attention)
-        self._attach()
+        self.refresh_layers()
 
     def _new_layer(self, layer_idx: int) -> TieredKVLayer:
         return TieredKVLayer(self.kv_config, layer_idx, self.rotations, self._fused, self._context)
 
-    def _attach(self) -> None:
-        """Tell the account and the reader which layers there are (after any change)."""
-        self.tiered = [la for la in self.layers if isinstance(la, TieredKVLayer) and la.quantized]
-        self.account.attach([la for la in self.layers if isinstance(la, QuantizedKVLayer)], self.tiered)
+    def refresh_layers(self) -> None:
+        """Tell the account and the reader which layers there are (after replacing any)."""
+        self.tiered = [layer for layer in self.layers if isinstance(layer, TieredKVLayer) and layer.quantized]
+        self.account.attach([layer for layer in self.layers if isinstance(layer, QuantizedKVLayer)], self.tiered)
         self.reader.attach(self.tiered)
 
     # ---- the parts, by their old names ---------------------------------------------------
@@ -185,57 +184,23 @@ class TieredKVCache(KVCache):
             ids = ids[0]
         self.store.set_tokens(ids.reshape(-1).tolist())
 
-    # ---- conversion ----------------------------------------------------------------------
+    # ---- conversion (lessmem.kvcache.tiered.convert) ----------------------------------
     @classmethod
     def from_cache(cls, src: KVCache, **kwargs) -> TieredKVCache:
         """A tiered copy of a filled in-memory :class:`KVCache` (same config and model
         config; ``kwargs`` as for the constructor): its sinks and windows are copied,
         its quantized history is cut into blocks and placed in the tiers."""
+        from .convert import fill_from
+
         new = cls(src.model_config, src.kv_config, attention=src.attention, **kwargs)
-        feeds = []
-        for i, s in enumerate(src.layers):
-            d = new.layers[i]
-            if not isinstance(d, TieredKVLayer) or not isinstance(s, QuantizedKVLayer):
-                new.layers[i] = copy.deepcopy(s)
-                continue
-            if not s.is_initialized:
-                continue
-            d.start_like(torch.empty(s.batch_size, s.num_heads, 0, s.head_dim, dtype=s.dtype, device=s.device))
-            if not s.quantized:
-                d.keys, d.values, d.length = s.keys.clone(), s.values.clone(), s.length
-                continue
-            d.load(length=s.length, sinks=(s.sinks[0].clone(), s.sinks[1].clone()),
-                   window=(s.window[0].clone(), s.window[1].clone()))
-            if s.history is not None:
-                feeds.append((d, s.history, s.n_history))
-        new._attach()
-        # position-major, so that the device tier's LRU order is the age of the tokens
-        bt = new.block_tokens
-        for t0 in range(0, max((n for _, _, n in feeds), default=0), bt):
-            for d, h, n in feeds:
-                if t0 < n:
-                    d.append_quantized(h, t0, min(n, t0 + bt))
+        fill_from(new, src)
         return new
 
     def to_kvcache(self) -> KVCache:
         """An in-memory :class:`KVCache` holding the same state (every block gathered)."""
-        out = KVCache(self.model_config, self.kv_config, attention=self.attention)
-        for i, d in enumerate(self.layers):
-            s = out.layers[i]
-            if not isinstance(d, TieredKVLayer) or not d.is_initialized:
-                continue
-            s.lazy_initialization(*(2 * [torch.empty(d.batch_size, d.num_heads, 0, d.head_dim,
-                                                     dtype=d.dtype, device=d.device)]))
-            s.length = d.length
-            if not d.quantized:
-                s.keys, s.values = d.keys.clone(), d.values.clone()
-                continue
-            s.sinks = (d.sinks[0].clone(), d.sinks[1].clone())
-            s.window = (d.window[0].clone(), d.window[1].clone())
-            parts = self.reader.gather(d, list(d.block_keys), d.pending)
-            s.history = join_parts(parts) if parts else None
-            s.n_history = d.n_history
-        return out
+        from .convert import in_memory_copy
+
+        return in_memory_copy(self)
 
     # ---- prefix persistence --------------------------------------------------------------
     def _check_restorable(self) -> None:
@@ -352,7 +317,7 @@ class TieredKVCache(KVCache):
         """Stop the prefetcher, drop this session's (non-shareable) blocks, close the tiers."""
         self.prefetcher.close()
         self.account.close()
-        self.store.close(keep_session, [k for la in self.tiered for k in la.block_keys])
+        self.store.close(keep_session, [k for layer in self.tiered for k in layer.block_keys])
 
     def __repr__(self) -> str:
         return (f"TieredKVCache(layers={len(self.layers)}, config={self.kv_config}, "

@@ -159,10 +159,10 @@ class TieredKVLayer(QuantizedKVLayer):
         when no tier takes it: then the tokens stay pending, on the device (the store
         warned once and counts it), and the next append tries again. While the budget
         makes room, the block already counts as sealed."""
-        bt = self.tiers.block_tokens
+        block_tokens = self.tiers.block_tokens
         before = (self.pending, self.n_pending)
-        head, self.pending = self._split(self.pending, bt)
-        self.n_pending -= bt
+        head, self.pending = self._split(self.pending, block_tokens)
+        self.n_pending -= block_tokens
         key = self.tiers.store.key(self.layer_idx, len(self.sealed))
         self.sealed.add(key, head)
         self.tiers.account.changed()
@@ -179,9 +179,9 @@ class TieredKVLayer(QuantizedKVLayer):
         ``block_tokens`` tokens: one, unless blocks no tier took are waiting in it."""
         if pending is None:
             return []
-        bt, parts = self.tiers.block_tokens, []
-        while pending is not None and pending["k_codes"].shape[2] > bt:  # (a codes row is a token)
-            head, pending = self._split(pending, bt)
+        block_tokens, parts = self.tiers.block_tokens, []
+        while pending is not None and pending["k_codes"].shape[2] > block_tokens:  # (a codes row is a token)
+            head, pending = self._split(pending, block_tokens)
             parts.append(head)
         return parts + ([pending] if pending is not None else [])
 
@@ -213,8 +213,8 @@ class TieredKVLayer(QuantizedKVLayer):
                            self.tiers.block_tokens)
 
     def blocks(self) -> list[KVBlock]:
-        bt = self.tiers.block_tokens
-        return [KVBlock(self.config.sinks + i * bt, bt, self.tiers.store.fetch(k))
+        block_tokens = self.tiers.block_tokens
+        return [KVBlock(self.config.sinks + i * block_tokens, block_tokens, self.tiers.store.fetch(k))
                 for i, k in enumerate(self.sealed.keys)]
 
     def memory(self) -> dict[str, int]:

@@ -42,14 +42,14 @@ class PrefixStore:
         rec: dict[str, torch.Tensor] = {"length": torch.tensor([len(ids)])}
         if logits is not None:
             rec["logits"] = logits.detach().float().cpu()
-        for la in layers:
-            for idx, key in enumerate(la.block_keys):
-                want = self.store.key(la.layer_idx, idx)
+        for layer in layers:
+            for idx, key in enumerate(layer.block_keys):
+                want = self.store.key(layer.layer_idx, idx)
                 self.store.save_below(want, lambda k=key: self.store.fetch(k))  # stored ones are not read
                 if key != want:  # a session key becomes the shareable content key
                     self.store.delete(key)
-                    la.rekey(idx, want)
-            rec.update(self._layer_record(la))
+                    layer.rekey(idx, want)
+            rec.update(self._layer_record(layer))
         key = self.state_key(ids)
         self.store.save_below(key, rec)
         if self.sinks and len(ids) >= self.sinks:  # for prompts that share only a prefix with this one
@@ -58,14 +58,14 @@ class PrefixStore:
         return key
 
     @staticmethod
-    def _layer_record(la) -> dict[str, torch.Tensor]:
-        i = la.layer_idx
-        rec = {f"L{i}.probe": torch.empty(la.batch_size, la.num_heads, 0, la.head_dim, dtype=la.dtype),
-               f"L{i}.block_bytes": torch.tensor(la.block_bytes, dtype=torch.int64),
-               f"L{i}.n_history": torch.tensor([la.n_history])}
-        rec[f"L{i}.sinks_k"], rec[f"L{i}.sinks_v"] = la.sinks
-        rec[f"L{i}.window_k"], rec[f"L{i}.window_v"] = la.window
-        for k, t in (la.pending or {}).items():
+    def _layer_record(layer) -> dict[str, torch.Tensor]:
+        i = layer.layer_idx
+        rec = {f"L{i}.probe": torch.empty(layer.batch_size, layer.num_heads, 0, layer.head_dim, dtype=layer.dtype),
+               f"L{i}.block_bytes": torch.tensor(layer.block_bytes, dtype=torch.int64),
+               f"L{i}.n_history": torch.tensor([layer.n_history])}
+        rec[f"L{i}.sinks_k"], rec[f"L{i}.sinks_v"] = layer.sinks
+        rec[f"L{i}.window_k"], rec[f"L{i}.window_v"] = layer.window
+        for k, t in (layer.pending or {}).items():
             rec[f"L{i}.p.{k}"] = t
         return rec
 
@@ -83,15 +83,15 @@ class PrefixStore:
         rec = self.store.find_below(self.state_key(ids))
         if rec is None:
             return None
-        keys = {la.layer_idx: [self.store.key(la.layer_idx, b)
-                               for b in range(len(rec[f"L{la.layer_idx}.block_bytes"]))] for la in layers}
+        keys = {layer.layer_idx: [self.store.key(layer.layer_idx, b)
+                               for b in range(len(rec[f"L{layer.layer_idx}.block_bytes"]))] for layer in layers}
         if not all(self.store.held_below(k) for ks in keys.values() for k in ks):
             return None  # checked before any layer changes
-        for la in layers:
-            i, ks = la.layer_idx, keys[la.layer_idx]
-            la.start_like(rec[f"L{i}.probe"])
+        for layer in layers:
+            i, ks = layer.layer_idx, keys[layer.layer_idx]
+            layer.start_like(rec[f"L{i}.probe"])
             pending = {k.split(".p.", 1)[1]: t for k, t in rec.items() if k.startswith(f"L{i}.p.")}
-            la.load(length=int(rec["length"][0]), sinks=(rec[f"L{i}.sinks_k"], rec[f"L{i}.sinks_v"]),
+            layer.load(length=int(rec["length"][0]), sinks=(rec[f"L{i}.sinks_k"], rec[f"L{i}.sinks_v"]),
                     window=(rec[f"L{i}.window_k"], rec[f"L{i}.window_v"]),
                     sealed=(ks, rec[f"L{i}.block_bytes"].tolist(), self._part_bytes(ks)),
                     n_history=int(rec[f"L{i}.n_history"][0]), pending=pending)
@@ -104,20 +104,20 @@ class PrefixStore:
         lower tiers hold for every layer, leaving at least one token to compute; returns
         the tokens restored (0: nothing found, nothing changed). Without sinks the layers
         start with ``head_dim``, ``dtype`` and the stored batch and heads; on ``device``."""
-        s, bt = self.sinks, self.block_tokens
+        s, block_tokens = self.sinks, self.block_tokens
         srec = None
         if s:
             srec = self.store.find_below(self.sinks_key(ids[:s])) if len(ids) > s else None
             if srec is None:
                 return 0
-        n = min(self.store.content_blocks, (len(ids) - s - 1) // bt)
+        n = min(self.store.content_blocks, (len(ids) - s - 1) // block_tokens)
         k = 0
-        while k < n and all(self.store.held_below(self.store.key(la.layer_idx, k)) for la in layers):
+        while k < n and all(self.store.held_below(self.store.key(layer.layer_idx, k)) for layer in layers):
             k += 1
         if not k:
             return 0
-        for la in layers:
-            i = la.layer_idx
+        for layer in layers:
+            i = layer.layer_idx
             keys = [self.store.key(i, b) for b in range(k)]
             first = self.store.fetch(keys[0])
             if srec is not None:
@@ -125,10 +125,10 @@ class PrefixStore:
             else:
                 codes = first["k_codes"]
                 probe = torch.empty(codes.shape[0], codes.shape[1], 0, head_dim, dtype=dtype)
-            la.start_like(probe if device is None else probe.to(device))
+            layer.start_like(probe if device is None else probe.to(device))
             sinks = (srec[f"L{i}.sinks_k"], srec[f"L{i}.sinks_v"]) if srec is not None else None
             parts = {name: tensor_bytes(t) * k for name, t in first.items()}
-            la.load(length=s + k * bt, sinks=sinks, sealed=(keys, [block_nbytes(first)] * k, parts),
-                    n_history=k * bt)
-        self.tokens_reused += s + k * bt
-        return s + k * bt
+            layer.load(length=s + k * block_tokens, sinks=sinks, sealed=(keys, [block_nbytes(first)] * k, parts),
+                    n_history=k * block_tokens)
+        self.tokens_reused += s + k * block_tokens
+        return s + k * block_tokens

@@ -52,6 +52,6 @@ class HistoryReader:
                 self.prefetcher.start(nxt.layer_idx, nxt.version_tag(), nxt.history_bytes(),
                                       self.gather, nxt, nxt.visible_keys(), nxt.pending)
         elif mode == "hint" and layer is self.layers[0]:  # once a step: every layer's blocks
-            self.prefetcher.hint([k for la in self.layers for k in la.visible_keys()])
+            self.prefetcher.hint([k for each in self.layers for k in each.visible_keys()])
         self.account.record_peak(resident)
         return hist
