@@ -171,6 +171,8 @@ def test_construction_checks_before_opening_tiers(tmp_path):
                           (dict(device_budget="lots"), "device_budget='lots'")]:
         with pytest.raises(ValueError, match=match):
             TieredKVCache(m.config, _gen.CFG, tiers=f"disk:{tmp_path / 'never'}", **kwargs)
+    with pytest.raises(TypeError, match="pass model.config"):
+        TieredKVCache(m, _gen.CFG, tiers=f"disk:{tmp_path / 'never'}")
     assert not (tmp_path / "never").exists()
     with pytest.raises(ValueError, match="names the device tier; the device tier is implicit"):
         TieredKVCache(m.config, _gen.CFG, tiers="device,host")

@@ -48,10 +48,11 @@ class DeviceBudget:
     def _parse(limit) -> int | None:
         return None if limit is None else parse_bytes(limit, "device_budget")
 
-    def open(self, device_tier: MemoryTier, prefetch: bool) -> BudgetAccount:
+    def open(self, device_tier: MemoryTier, prefetch: bool, in_flight=None) -> BudgetAccount:
         """A new account whose device tier is ``device_tier`` (``prefetch``: keep room for
-        a second history in flight)."""
-        account = BudgetAccount(self, device_tier, prefetch)
+        a second history in flight; ``in_flight``: a function returning the bytes of reads
+        in flight, held on the device too)."""
+        account = BudgetAccount(self, device_tier, prefetch, in_flight)
         with self._lock:
             self.accounts.append(account)
         return account
@@ -119,13 +120,13 @@ class BudgetAccount:
     ``staged`` the bytes of histories read from lower tiers and held beside the device
     tier; ``in_flight`` is a function returning the bytes of reads still in flight."""
 
-    def __init__(self, budget: DeviceBudget, device_tier: MemoryTier, prefetch: bool):
+    def __init__(self, budget: DeviceBudget, device_tier: MemoryTier, prefetch: bool, in_flight=None):
         self.budget, self.device_tier, self.prefetch = budget, device_tier, bool(prefetch)
         self.resident_layers: list = []  # layers whose sinks/window/partial block stay on the device
         self.tiered_layers: list = []  # layers whose history is in the tiers
         self.forward_tokens = 1
         self.staged = 0
-        self.in_flight = lambda: 0
+        self.in_flight = in_flight or (lambda: 0)
         self.last_need = 0.0
         self.last_bytes = 0
         self.needed = 0.0  # the most this account needed besides its device tier

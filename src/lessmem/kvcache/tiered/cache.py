@@ -92,7 +92,6 @@ class TieredKVCache(KVCache):
         _check_window(attention_window, block_tokens, kv_config.sinks)
         budget = device_budget if isinstance(device_budget, DeviceBudget) else DeviceBudget(device_budget)
         check_prefetch(prefetch)
-        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         self.block_tokens, self.attention_window = block_tokens, attention_window
         self.model_id = model_id or _model_id(text)
         self.store = BlockStore(_lower_tiers(tiers), write_policy, self.model_id,
@@ -100,8 +99,8 @@ class TieredKVCache(KVCache):
                                 kv_config.sinks)
         self.prefetcher = Prefetcher(prefetch, self.store.lower)
         self.budget = budget
-        self.account = budget.open(self.store.device_tier, self.prefetcher.enabled)
-        self.account.in_flight = self.prefetcher.in_flight_bytes
+        self.account = budget.open(self.store.device_tier, self.prefetcher.enabled,
+                                   in_flight=self.prefetcher.in_flight_bytes)
         self.reader = HistoryReader(self.store, self.account, self.prefetcher)
         self.prefixes = PrefixStore(self.store, kv_config.sinks, block_tokens)
         self._context = TierContext(self.store, self.account, self.reader, block_tokens,
@@ -236,8 +235,7 @@ class TieredKVCache(KVCache):
         self._check_empty("restore_blocks")
         ids = torch.as_tensor(token_ids).reshape(-1).tolist()
         self.set_tokens(ids)
-        text = self.model_config.get_text_config() if hasattr(self.model_config, "get_text_config") \
-            else self.model_config
+        text = check_model_config(self.model_config)
         dtype = dtype or getattr(text, "torch_dtype", None) or torch.float32
         return self.prefixes.restore_blocks(self.tiered, ids, model_head_dim(text), dtype, device)
 
