@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 
 from lessmem import _cli_types as T
 
@@ -138,14 +139,11 @@ def _list() -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
+def _plan(args) -> dict:
+    """The planner on the parsed options."""
     from .planner import plan
-    from .report import render, summary
 
-    if args.list:
-        print(_list())
-        return 0
-    p = plan(
+    return plan(
         args.model, context=args.context, batch=args.batch, kv=args.kv, weights=args.weights,
         hardware=args.hardware, kv_budget=args.kv_budget, target_tps=args.target_tps, buffer=args.buffer,
         params=args.params, keep_embeddings=args.keep_embeddings,
@@ -155,6 +153,21 @@ def run(args) -> int:
         prefetch=not args.no_prefetch, prefill_chunk=args.prefill_chunk,
         decode_tokens=args.decode_tokens, decode_chunk=args.decode_chunk,
     )
+
+
+def run(args) -> int:
+    from .report import render, summary
+
+    if args.list:
+        print(_list())
+        return 0
+    try:
+        p = _plan(args)
+    except ValueError as exc:  # a semantic check inside the planner: name the option it is about
+        m = re.match(r"(\w+)=", str(exc))
+        if m and getattr(args, m.group(1), None) is not None:
+            raise T.OptionError("--" + m.group(1).replace("_", "-"), getattr(args, m.group(1)), str(exc)) from None
+        raise
     if args.json:
         print(json.dumps(p, indent=2, default=float))
         return 0
