@@ -62,6 +62,9 @@ def test_eval_table_with_passkey(model_dir, text_file, capsys):
     (["--windows", "0"], "--windows 0: allowed"),
     (["--passkey", "1k"], "--passkey 1k: allowed: comma-separated integers"),
     (["--kv", ","], "names no config"),
+    (["--window-len", "5000"], "--window-len 5000: 5,000 tokens per window, but the model's context is 4,096 tokens"),
+    (["--passkey", "5000"], "--passkey 5000: a passkey prompt of 5,000 tokens, but the model's context is 4,096"),
+    (["--plot", "p"], "--plot p: allowed: a file path ending in .png or .svg or .pdf"),
 ])
 def test_eval_bad_input_exit_2(model_dir, text_file, capsys, extra, match):
     assert main(_eval(model_dir, text_file, *extra)) == 2
@@ -140,3 +143,17 @@ def test_generate_offload_options_are_shared_with_eval(model_dir, capsys, tmp_pa
     assert host != "0 B" and "disk " in line
     assert main(["generate", "hi", "--model", str(model_dir), "--offload", "host", "--block-tokens", "33"]) == 2
     assert "block_tokens=33; allowed: a positive multiple of int4's block_size 32" in capsys.readouterr().err
+
+
+def test_eval_passkey_too_short_for_the_tokenizer_fails_before_the_perplexity(model_dir, text_file, capsys,
+                                                                              monkeypatch):
+    import lessmem.eval.perplexity
+
+    def evaluate(*a, **k):
+        raise AssertionError("the perplexity ran before --passkey was checked")
+
+    monkeypatch.setattr(lessmem.eval.perplexity, "evaluate", evaluate)
+    assert main(_eval(model_dir, text_file, "--kv", "int4", "--passkey", "100")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("lessmem eval: error: --passkey 100: n_tokens=100 is too short for a passkey prompt; "
+                          "allowed: >= "), err

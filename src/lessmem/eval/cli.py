@@ -152,9 +152,21 @@ def check_lengths(args, context: int | None) -> None:
     """--window-len and --passkey lengths within the model's context (None: not known yet)."""
     from lessmem.eval.generate_cli import check_context
 
-    check_context("--window-len", args.window_len, args.window_len, context, "per window")
+    check_context("--window-len", args.window_len, args.window_len, context, f"{args.window_len:,} tokens per window")
     for n in args.passkey:
-        check_context("--passkey", ",".join(map(str, args.passkey)), n, context, "in a passkey prompt")
+        check_context("--passkey", ",".join(map(str, args.passkey)), n, context, f"a passkey prompt of {n:,} tokens")
+
+
+def check_passkey(args, tok) -> None:
+    """Each --passkey length holds a passkey prompt with this tokenizer (checked before the
+    perplexity runs, not after)."""
+    from lessmem.eval.passkey import passkey_prompt
+
+    for n in args.passkey:
+        try:
+            passkey_prompt(tok, n, 0.5, 10_000)
+        except ValueError as exc:
+            raise T.OptionError("--passkey", ",".join(map(str, args.passkey)), str(exc)) from None
 
 
 def write_atomic(path, text: str) -> None:
@@ -191,6 +203,7 @@ def run(args) -> int:
     prog.say(f"loading {args.model} ...")
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     check_lengths(args, getattr(model.config, "max_position_embeddings", None))
+    check_passkey(args, tok)
     others = ", ".join(s.name for s in configs if s.kind != "baseline") or "nothing"
     prog.say(f"{others} vs the DynamicCache baseline, {args.windows} x {args.window_len} "
              f"tokens of {text_name}" + ("" if getattr(args, "full", False) or args.kv else "; the full table: --full"))

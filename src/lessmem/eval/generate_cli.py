@@ -95,10 +95,11 @@ def load_model(name: str, **kw):
 
 
 def check_context(option: str, value, n_tokens: int, context: int | None, what: str) -> None:
-    """OptionError when ``n_tokens`` exceed the model's ``context`` (None: unknown, no check)."""
+    """OptionError when ``n_tokens`` (``what``: "N tokens per window") exceed the model's
+    ``context`` (None: not known, no check)."""
     if context is not None and n_tokens > context:
-        raise T.OptionError(option, value, f"{n_tokens:,} tokens {what} exceed the model's context "
-                            f"of {context:,} tokens; allowed: at most {context:,}")
+        raise T.OptionError(option, value, f"{what}, but the model's context is {context:,} tokens; "
+                            f"allowed: at most {context:,} in all")
 
 
 def placement_lines(pl: dict) -> list[str]:
@@ -156,7 +157,7 @@ def check(args) -> None:
     check_model(args.model)
     shape = peek_model(args.model)
     check_context("--max-new-tokens", args.max_new_tokens, args.max_new_tokens, shape and shape["context"],
-                  "of new tokens")
+                  f"{args.max_new_tokens:,} new tokens")
 
 
 def _encode(tok, args):
@@ -214,7 +215,7 @@ def run(args) -> int:
     n_prompt = enc["input_ids"].shape[1]
     context = getattr(model.config, "max_position_embeddings", None)
     check_context("--max-new-tokens", args.max_new_tokens, n_prompt + args.max_new_tokens, context,
-                  f"(the prompt's {n_prompt} and the new ones)")
+                  f"the prompt's {n_prompt:,} tokens and {args.max_new_tokens:,} new ones")
     cache = args.spec.make(model.config)
     gen = _generate_kwargs(tok, args)
     reused = None
