@@ -138,3 +138,14 @@ def test_legacy_temp_files_of_dead_writers_are_removed(tmp_path):
     live.write_bytes(b"partial")
     t = DiskTier(tmp_path)
     assert not dead.exists() and live.exists() and t.keys() == ["a"]
+
+
+def test_a_symlink_in_place_of_the_lock_file_is_refused(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    (store / "lock").symlink_to(victim)
+    with pytest.raises(ValueError, match="not a symlink"):
+        DiskTier(store)
+    assert victim.read_bytes() == b"precious"

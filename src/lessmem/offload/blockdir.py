@@ -132,7 +132,7 @@ class BlockDir:
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as e:
-            raise _refuse(path, f"cannot open it without following links ({e})") from e
+            raise _refuse(path, f"cannot open it for writing as a regular file, not a symlink ({e})") from e
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
             os.close(fd)
