@@ -105,14 +105,18 @@ def _source_gguf(model: str) -> Path:
 def _check_groups(args, config, shape: dict | None) -> None:
     """--group-size against the model's layer widths, when its config is known before loading."""
     gs = getattr(config, "group_size", None)
-    if not shape or gs is None or config.group_fallback:
+    if not shape or gs is None:
         return
-    bad = sorted(f for f in shape["in_features"] if f % gs)
+    sizes = [g for g in (32, 64, 128, 256) if g <= gs] if config.group_fallback else [gs]
+    bad = sorted(f for f in shape["in_features"] if all(f % g for g in sizes))
     if bad:
         fits = [g for g in (32, 64, 128, 256) if all(f % g == 0 for f in shape["in_features"])]
-        raise T.OptionError("--group-size", args.group_size, f"does not divide the model's layer widths "
-                            f"{', '.join(map(str, bad))}; allowed here: {', '.join(map(str, fits)) or 'none'}, "
-                            "'none' (per-channel), or add --group-fallback")
+        what = (f"no group up to the default {gs} divides" if args.group_size is None
+                else "no group up to it divides" if config.group_fallback else "does not divide")
+        allowed = ", ".join([*map(str, fits), "'none' (per-channel)"])
+        raise T.OptionError("--group-size", args.group_size, f"{what} the model's layer widths "
+                            f"{', '.join(map(str, bad))}; allowed here: {allowed}"
+                            + ("" if config.group_fallback else ", or add --group-fallback"))
 
 
 def check(args) -> None:
