@@ -506,3 +506,31 @@ def test_real_bugs_keep_their_traceback(monkeypatch, capsys):
     monkeypatch.setenv("LESSMEM_DEBUG", "1")
     with pytest.raises(ValueError):
         main(["presets"])
+
+
+FLAGS = {"plan": ("--json", "--list", "--keep-embeddings", "--no-prefetch"), "explore": ("--json", "--list-tensors"),
+         "eval": ("--json", "--full", "--no-progress", "--no-prefetch"), "generate": ("--sample", "--raw", "--no-prefetch"),
+         "quantize": ("--json", "--symmetric", "--group-fallback"), "presets": ("--json",)}
+
+
+@settings(max_examples=int(os.environ.get("LESSMEM_FUZZ_EXAMPLES", 60)), deadline=None,
+          derandomize=not os.environ.get("LESSMEM_FUZZ_RANDOM"),
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(cmd=st.sampled_from(sorted(FUZZ)), data=st.data())
+def test_fuzzed_command_lines_never_traceback(cmd, data, files, tmp_path, no_work, capsys):
+    """Whole argument lists: options, flags, values and junk in any order (missing values,
+    unknown options, flags with values, repeated options)."""
+    fixed, options = FUZZ[cmd]
+    token = st.one_of(st.sampled_from(options + FLAGS[cmd]), VALUES, st.sampled_from(["--", "-", "-x", "--nope"]))
+    argv = _argv([cmd, *fixed, *data.draw(st.lists(token, max_size=6))], files, tmp_path / "fuzz")
+    before = _listing(tmp_path)
+    try:
+        rc = main(argv)
+    except Reached:
+        rc = None
+    err = capsys.readouterr().err
+    event(f"{cmd}: {'passed the checks' if rc is None else f'exit {rc}'}")
+    assert "Traceback" not in err and rc in (None, 0, 2), (argv, rc, err)
+    if rc == 2:
+        assert len(err.strip().splitlines()) == 1 and err.startswith("lessmem"), (argv, err)
+    assert _listing(tmp_path) == before, argv
