@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import re
 
-from ..formats.gguf import GGUF_TYPES
 from ..base import gguf_rules
 from ..base.gguf_rules import use_more_bits  # noqa: F401  (re-export)
+from ..formats.gguf import GGUF_TYPES
 
 # file type -> base block type; llama_ftype ids written to general.file_type
 MIXES = {f: base for f, (base, _) in gguf_rules.FILE_TYPES.items()}
