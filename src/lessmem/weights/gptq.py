@@ -56,9 +56,8 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
                      "use more calibration text or a larger damp")
 
 
-def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None,
-                  symmetric: bool, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
+def _check_args(w, h, bits, group_size, act_order, static_groups) -> tuple[int, int, int]:
+    """``(N, K, group size)``, or a ValueError naming the argument that cannot work."""
     n, k = check_weight(w, bits)
     gs = check_group_size(group_size, k)
     if not isinstance(h, torch.Tensor) or tuple(h.shape) != (k, k):
@@ -69,6 +68,13 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
         # read by columns of the other groups before they are set: groups must be fixed first
         raise ValueError("gptq_quantize act_order=True with group_size set needs "
                          "static_groups=True (or group_size=None)")
+    return n, k, gs
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None,
+                  symmetric: bool, damp: float = 0.01, block_size: int = 128,
+                  act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
+    n, k, gs = _check_args(w, h, bits, group_size, act_order, static_groups)
     W = w.detach().double().clone()  # [N, K]; float64 keeps the solve stable for big K
     H = h.detach().double().clone()
     dead = torch.diag(H) == 0
