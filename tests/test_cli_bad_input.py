@@ -49,6 +49,8 @@ def files(tmp_path_factory):
     w.write_tensors_to_file()
     w.close()
     (d / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + os.urandom(40))
+    whole = (d / "tiny.gguf").read_bytes()
+    (d / "trunc.gguf").write_bytes(whole[:len(whole) // 2])  # the header parses, the tensor data is cut
     (d / "binary.txt").write_bytes(b"\x7fELF\x00\x01\x02" * 100)
     (d / "empty.txt").write_text("  \n")
     (d / "latin1.txt").write_bytes("caf\xe9 au lait ".encode("latin-1") * 50)
@@ -414,6 +416,16 @@ def test_subprocess_exit_code_and_one_line(row, option, tmp_path):
                        timeout=300, cwd=tmp_path)
     _assert_clean(r.returncode, r.stderr, row, option)
     assert r.stdout == "" and _listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("extra, option", [(["--list-tensors"], "--model"),
+                                           (["--tensor", "blk.0.attn_q.weight"], "--model"),
+                                           (["--tensor", "blk.9.nope"], "--tensor")])
+def test_explore_damaged_or_wrong_gguf_one_line(extra, option, files, capsys):
+    """Read for real (no patches): a truncated file or a missing tensor is one line, exit 2."""
+    model = files / ("tiny.gguf" if "blk.9.nope" in extra else "trunc.gguf")
+    rc = main(["explore", "--model", str(model), *extra])
+    _assert_clean(rc, capsys.readouterr().err, ("explore",), option)
 
 
 # ------------------------------------------------------------------------- fuzzing

@@ -119,10 +119,15 @@ def _read_gguf(what, *a):
     """``what(*a)`` on a GGUF file; a damaged file's parse error as a one-line ValueError."""
     try:
         return what(*a)
-    except ValueError:
+    except ValueError as exc:
+        if str(exc).startswith("no tensor"):
+            raise T.OptionError("--tensor", a[1], f"{exc}; allowed: a name --list-tensors shows") from None
+        if "--model" not in str(exc):
+            raise T.OptionError("--model", a[0], f"{exc}; allowed: a valid .gguf file") from None
         raise
     except Exception as exc:  # the gguf package fails on damaged files with many error types
-        raise ValueError(f"--model {a[0]}: not a valid GGUF file ({type(exc).__name__}: {exc})") from exc
+        raise T.OptionError("--model", a[0], f"not a valid GGUF file ({type(exc).__name__}: {exc}); "
+                            "allowed: a valid .gguf file") from exc
 
 
 def _matrix(args, skipped: list[str]):
