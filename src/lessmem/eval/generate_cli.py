@@ -205,11 +205,13 @@ def run(args) -> int:
     import torch
 
     from lessmem.eval.caches import cache_kwarg, close_cache
+    from lessmem.eval.report import quiet_transformers
     from lessmem.kvcache import enable
 
     if not hasattr(args, "spec"):
         check(args)
     set_threads(args.threads)
+    quiet_transformers()  # no loading bars or warnings around the streamed text
     model, tok = load_model(args.model)
     enc = _encode(tok, args)
     n_prompt = enc["input_ids"].shape[1]
