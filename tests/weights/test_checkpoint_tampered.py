@@ -198,3 +198,16 @@ def test_loaded_model_has_no_meta_tensors_and_same_buffers(ckpt):
     assert not any(t.is_meta for t in [*m2.parameters(), *m2.buffers()])
     for name, b in src.named_buffers():
         assert torch.equal(b, m2.get_buffer(name)), name
+
+
+def test_tied_weights_are_one_parameter_after_loading(tmp_path):
+    m = tiny_random("llama")
+    m.config.tie_word_embeddings = True
+    m.lm_head.weight = m.model.embed_tokens.weight
+    lessmem.quantize_(m, lessmem.RTNConfig(bits=4, group_size=32), progress=False)
+    lessmem.save_quantized(m, tmp_path)
+    m2, _ = load_quantized(tmp_path)
+    assert m2.lm_head.weight is m2.model.embed_tokens.weight  # one Parameter, as in the source
+    x = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, m2(x).logits)
