@@ -84,6 +84,46 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
         m = m.with_params(parse_params(params))
     context = m.max_context if context is None else _positive_int("context", context)
     batch = _positive_int("batch", batch)
+    hw = get_hardware(hardware, **_hardware_overrides(hw_overrides))
+    precs = [get_kv(s) for s in _listify(kv, DEFAULT_KV if offload is None else ["lessmem:int4"])]
+    if not precs:
+        raise ValueError("kv: give at least one KV precision")
+    from .weights import get_weight_format, weight_footprint
+
+    wfmts = [get_weight_format(w) for w in _listify(weights, ["fp16"])]
+    if not wfmts:
+        raise ValueError("weights: give at least one weight format")
+    if not target_tps or target_tps <= 0:
+        raise ValueError(f"target_tps={target_tps!r} must be positive")
+
+    kv_rows = [_kv_row(m, context, batch, p) for p in precs]
+    w_rows = [weight_footprint(m, f, keep_embeddings) for f in wfmts]
+    budget = None if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
+    splits = None
+    if offload is not None:
+        splits = _tier_splits(m, precs, context, batch, budget, offload, block_tokens, prefetch,
+                              prefill_chunk, decode_tokens, decode_chunk)
+    step_budget = 1.0 / target_tps
+    buf = parse_bytes(buffer, "buffer") if buffer is not None else (budget or kv_rows[0]["total"])
+    out = {
+        "model": m.to_dict(), "hardware": hw.to_dict(),
+        "inputs": {"context": context, "batch": batch, "kv": [p.name for p in precs],
+                   "weights": [f.name for f in wfmts], "kv_budget": budget, "target_tok_s": target_tps,
+                   "buffer": buf},
+        "kv": kv_rows, "weights": w_rows,
+        "transfer": {"bytes": buf, "step_budget_s": step_budget,
+                     "tiers": transfer_times(buf, hw, step_budget)},
+        **_decode_and_fits(w_rows, kv_rows, batch, hw),
+    }
+    if splits is not None:
+        out["tier_split"] = splits
+    if budget is not None:
+        out["hybrid"] = _hybrid(m, hw, precs, context, batch, budget, target_tps, w_rows[0]["bytes"])
+    return out
+
+
+def _hardware_overrides(hw_overrides: dict) -> dict:
+    """``hbm_bw="3.35TB/s"``, ``host_ram="512GiB"``... as numbers; None values dropped."""
     ov = {}
     for k, v in hw_overrides.items():
         if v is None:
@@ -97,30 +137,24 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
             if v <= 0:
                 raise ValueError(f"{k}={v!r} must be positive")
         ov[k] = v
-    hw = get_hardware(hardware, **ov)
-    precs = [get_kv(s) for s in _listify(kv, DEFAULT_KV if offload is None else ["lessmem:int4"])]
-    if not precs:
-        raise ValueError("kv: give at least one KV precision")
-    from .weights import get_weight_format, weight_footprint
+    return ov
 
-    wfmts = [get_weight_format(w) for w in _listify(weights, ["fp16"])]
-    if not wfmts:
-        raise ValueError("weights: give at least one weight format")
-    if not target_tps or target_tps <= 0:
-        raise ValueError(f"target_tps={target_tps!r} must be positive")
 
-    kv_rows = []
-    for p in precs:
-        r = kv_bytes(m, context, batch, p)
-        r["per_token_bytes_raw"] = m.kv_elements_per_token * (p.k_bits + p.v_bits) / 16  # codes only
-        r["per_quantized_token"] = bytes_per_token(m, p)  # codes + amortised scales, no window
-        r["compression_vs_fp16"] = r["fp16"] / r["total"] if r["total"] else None
-        r["fraction_of_fp16"] = r["total"] / r["fp16"] if r["fp16"] else None
-        r["quality"], r["description"] = p.quality, p.description
-        kv_rows.append(r)
-    w_rows = [weight_footprint(m, f, keep_embeddings) for f in wfmts]
+def _kv_row(m, context: int, batch: int, p) -> dict:
+    """``kv_bytes`` for one precision, with raw/quantized per-token bytes and the fp16 ratio."""
+    r = kv_bytes(m, context, batch, p)
+    r["per_token_bytes_raw"] = m.kv_elements_per_token * (p.k_bits + p.v_bits) / 16  # codes only
+    r["per_quantized_token"] = bytes_per_token(m, p)  # codes + amortised scales, no window
+    r["compression_vs_fp16"] = r["fp16"] / r["total"] if r["total"] else None
+    r["fraction_of_fp16"] = r["total"] / r["fp16"] if r["fp16"] else None
+    r["quality"], r["description"] = p.quality, p.description
+    return r
+
+
+def _decode_and_fits(w_rows: list, kv_rows: list, batch: int, hw) -> dict:
+    """Decode floors (each weight format alone, then the first with each KV precision) and
+    whether weights + KV fit the device."""
     w0 = w_rows[0]["bytes"]
-
     decode = [dict(decode_floor(w["bytes"], 0, 1, hw.hbm_bw), weights=w["format"], kv=None)
               for w in w_rows]
     for r in kv_rows:
@@ -128,42 +162,31 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
                            weights=w_rows[0]["format"], kv=r["precision"]))
     fits = [{"weights": w_rows[0]["format"], "kv": r["precision"], "bytes": w0 + r["total"],
              "capacity": hw.hbm_capacity, "fits": w0 + r["total"] <= hw.hbm_capacity} for r in kv_rows]
+    return {"decode": decode, "fits": fits}
 
-    budget = None if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
-    splits = None
-    if offload is not None:
-        from .kv import LESSMEM
-        from .tiers import tier_split
 
-        presets = [p for p in precs if p.name in LESSMEM and p.k_bits < 16]
-        if not presets:
-            raise ValueError(f"offload needs a quantized lessmem cache preset in kv, got "
-                             f"{', '.join(p.name for p in precs)}; allowed: "
-                             f"{', '.join(n for n, p in LESSMEM.items() if p.k_bits < 16)}")
-        splits = [tier_split(m, p, context, batch, budget, offload, block_tokens, prefetch,
-                             prefill_chunk, decode_tokens, decode_chunk=decode_chunk) for p in presets]
-    step_budget = 1.0 / target_tps
-    buf = parse_bytes(buffer, "buffer") if buffer is not None else (budget or kv_rows[0]["total"])
-    out = {
-        "model": m.to_dict(), "hardware": hw.to_dict(),
-        "inputs": {"context": context, "batch": batch, "kv": [p.name for p in precs],
-                   "weights": [f.name for f in wfmts], "kv_budget": budget, "target_tok_s": target_tps,
-                   "buffer": buf},
-        "kv": kv_rows, "weights": w_rows,
-        "transfer": {"bytes": buf, "step_budget_s": step_budget,
-                     "tiers": transfer_times(buf, hw, step_budget)},
-        "decode": decode, "fits": fits,
-    }
-    if splits is not None:
-        out["tier_split"] = splits
-    if budget is not None:
-        one = min(kv_bytes(m, 1, 1, p)["total"] for p in precs)
-        if budget < one:
-            raise ValueError(f"kv_budget={budget} bytes is below one token ({one} bytes per token at the "
-                             f"smallest precision asked); give at least {one} bytes, e.g. 4GiB")
-        rows = [hybrid_row(m, hw, p, context, batch, budget, target_tps, w0) for p in precs]
-        chosen = choose(rows)
-        out["hybrid"] = {"budget": budget, "rows": rows,
-                         "chosen": chosen["precision"] if chosen else None,
-                         "suggestions": suggestions(m, hw, rows, context, batch, budget, target_tps)}
-    return out
+def _tier_splits(m, precs, context, batch, budget, offload, block_tokens, prefetch,
+                 prefill_chunk, decode_tokens, decode_chunk) -> list:
+    """One ``tier_split`` per quantized lessmem cache preset among ``precs``."""
+    from .kv import LESSMEM
+    from .tiers import tier_split
+
+    presets = [p for p in precs if p.name in LESSMEM and p.k_bits < 16]
+    if not presets:
+        raise ValueError(f"offload needs a quantized lessmem cache preset in kv, got "
+                         f"{', '.join(p.name for p in precs)}; allowed: "
+                         f"{', '.join(n for n, p in LESSMEM.items() if p.k_bits < 16)}")
+    return [tier_split(m, p, context, batch, budget, offload, block_tokens, prefetch,
+                       prefill_chunk, decode_tokens, decode_chunk=decode_chunk) for p in presets]
+
+
+def _hybrid(m, hw, precs, context, batch, budget, target_tps, weight_bytes) -> dict:
+    """The resident/offloaded split of each precision under ``budget`` and the one chosen."""
+    one = min(kv_bytes(m, 1, 1, p)["total"] for p in precs)
+    if budget < one:
+        raise ValueError(f"kv_budget={budget} bytes is below one token ({one} bytes per token at the "
+                         f"smallest precision asked); give at least {one} bytes, e.g. 4GiB")
+    rows = [hybrid_row(m, hw, p, context, batch, budget, target_tps, weight_bytes) for p in precs]
+    chosen = choose(rows)
+    return {"budget": budget, "rows": rows, "chosen": chosen["precision"] if chosen else None,
+            "suggestions": suggestions(m, hw, rows, context, batch, budget, target_tps)}

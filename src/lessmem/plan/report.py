@@ -24,10 +24,17 @@ def _ms(s: float) -> str:
 
 def tables(p: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
     """(title, columns, rows, footnote) for each section of a plan."""
-    m, hw, inp = p["model"], p["hardware"], p["inputs"]
-    out = []
+    out = [_kv_table(p), _weights_table(p), _transfer_table(p), _decode_table(p), _fits_table(p)]
+    if p.get("hybrid"):
+        out.append(_hybrid_table(p))
+    out += [_split_table(sp) for sp in p.get("tier_split") or []]
+    return out
+
+
+def _kv_table(p: dict) -> tuple:
+    m, inp = p["model"], p["inputs"]
     L, H, D = m["layers"], m["kv_heads"], m["head_dim"]
-    out.append((
+    return (
         f"KV cache — {m['name']} (L {L}, H_kv {H}, d {D}: 2·L·H_kv·d = {2 * L * H * D:,}·b bytes/token), "
         f"{inp['batch']} x {inp['context']:,} tokens",
         ["KV", "bytes/token", "per request", f"batch of {inp['batch']}", "vs fp16", "K/V bits (eff.)"],
@@ -35,73 +42,86 @@ def tables(p: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
           fmt_bytes(r["per_request"]), fmt_bytes(r["total"]),
           f"{r['compression_vs_fp16']:.3g}x ({_pct(r['fraction_of_fp16'])} of fp16)",
           f"{r['k_bits_effective']:.3g}/{r['v_bits_effective']:.3g}"] for r in p["kv"]],
-        "bare names count codes only (the codes-only 2·L·H_kv·d·b); lessmem presets add scales, "
+        "bare names count codes only (2·L·H_kv·d·b); lessmem presets add scales, "
         "zero points, window and sinks",
-    ))
-    out.append((
-        f"Weights — {m['n_params'] / 1e9:.4g}B parameters",
+    )
+
+
+def _weights_table(p: dict) -> tuple:
+    return (
+        f"Weights — {p['model']['n_params'] / 1e9:.4g}B parameters",
         ["format", "bits/weight", "model bpw", "scale share", "scale tax", "footprint"],
         [[w["format"], f"{w['format_bpw']:.4g}", f"{w['model_bpw']:.4g}",
           _pct(w["scale_share"]), _pct(w["scale_tax"]), fmt_bytes(w["bytes"])] for w in p["weights"]],
         "scale share = metadata / all bits (int4 g32: 11.1%); scale tax = metadata / code bits "
         "(int4 g8: 50%); model bpw includes float norms and per-tensor types of mixes",
-    ))
-    t = p["transfer"]
-    out.append((
+    )
+
+
+def _transfer_table(p: dict) -> tuple:
+    t, hw = p["transfer"], p["hardware"]
+    return (
         f"Transfer of {fmt_bytes(t['bytes'])} — {hw['name']}",
         ["tier", "bandwidth", "time", "vs device", f"x {_ms(t['step_budget_s'])} step"],
         [[r["label"], fmt_rate(r["bandwidth"]), _ms(r["seconds"]), f"{r['ratio_vs_device']:.3g}x",
           f"{r['x_step_budget']:.3g}x"] for r in t["tiers"]],
         f"data time only; add ~{hw['pcie_latency_s'] * 1e6:.0f} µs per PCIe and "
-        f"~{hw['nvme_latency_s'] * 1e6:.0f} µs per NVMe transfer; step = 1 / {inp['target_tok_s']:g} tok/s",
-    ))
-    out.append((
-        f"Decode floor — bytes read per step ÷ {fmt_rate(hw['hbm_bw'])}",
+        f"~{hw['nvme_latency_s'] * 1e6:.0f} µs per NVMe transfer; step = 1 / "
+        f"{p['inputs']['target_tok_s']:g} tok/s",
+    )
+
+
+def _decode_table(p: dict) -> tuple:
+    return (
+        f"Decode floor — bytes read per step ÷ {fmt_rate(p['hardware']['hbm_bw'])}",
         ["weights", "KV", "bytes/step", "ms/token", "tok/s per request", "tok/s all"],
         [[d["weights"], d["kv"] or "(weights only, batch 1)", fmt_bytes(d["bytes_per_step"]),
           _ms(d["seconds_per_token"]), f"{d['tok_s']:.4g}", f"{d['tok_s_aggregate']:.4g}"]
          for d in p["decode"]],
         "a step reads every weight once and each request's whole KV cache once",
-    ))
-    out.append((
-        f"Fits in {fmt_bytes(hw['hbm_capacity'])} device memory?",
+    )
+
+
+def _fits_table(p: dict) -> tuple:
+    return (
+        f"Fits in {fmt_bytes(p['hardware']['hbm_capacity'])} device memory?",
         ["weights", "KV", "weights + KV", "fits"],
         [[f["weights"], f["kv"], fmt_bytes(f["bytes"]), "yes" if f["fits"] else "no"] for f in p["fits"]],
         "",
-    ))
-    h = p.get("hybrid")
-    if h:
-        rows = []
-        for r in h["rows"]:
-            s, f = r["sliding"], r["full"]
-            rows.append([
-                ("* " if r["precision"] == h["chosen"] else "") + r["precision"],
-                f"{r['resident_tokens_total']:,} ({r['resident_tokens_per_request']:,}/req, "
-                f"{_pct(r['resident_fraction'])})",
-                f"{r['offloaded_tokens_per_request']:,}/req ({fmt_bytes(r['offloaded_bytes_per_request'], both=False)} each)"
-                + (f" -> {r['offload_tier']}" if r["offload_tier"] else ""),
-                "-" if not r["offload_tier"] else
-                f"{fmt_rate(s['demand_bytes_per_s'])} = {_pct(s['link_fraction'])} of link; "
-                f"{'hidden' if s['prefetch_hidden'] else 'NOT hidden'}",
-                "-" if not r["offload_tier"] else
-                f"{fmt_rate(f['demand_bytes_per_s'])} = {_pct(f['link_fraction'])} of link; "
-                f"{'hidden' if f['prefetch_hidden'] else 'not hidden'}, max {f['max_tok_s']:.3g} tok/s",
-            ])
-        first = h["rows"][0]
-        out.append((
-            f"Hybrid under a {fmt_bytes(h['budget'])} KV budget at {inp['target_tok_s']:g} tok/s in all "
-            f"({first['tok_s_per_request']:.4g} tok/s, one token every {first['seconds_per_token_per_request']:.3g} s "
-            "per request)",
-            ["KV", "resident tokens", "offloaded", "stream, sliding window", "stream, full attention"],
-            rows,
-            "* = chosen: the most precise that fits, else the most compact near-lossless one, offloading "
-            "the rest. Sliding: attention over the resident window only, one "
-            "token's KV crosses per new token. Full: every offloaded token read every step."
-            + ("".join("\n  - " + s for s in h["suggestions"])),
-        ))
-    for sp in p.get("tier_split") or []:
-        out.append(_split_table(sp))
-    return out
+    )
+
+
+def _hybrid_row(r: dict, chosen) -> list[str]:
+    s, f = r["sliding"], r["full"]
+    return [
+        ("* " if r["precision"] == chosen else "") + r["precision"],
+        f"{r['resident_tokens_total']:,} ({r['resident_tokens_per_request']:,}/req, "
+        f"{_pct(r['resident_fraction'])})",
+        f"{r['offloaded_tokens_per_request']:,}/req ({fmt_bytes(r['offloaded_bytes_per_request'], both=False)} each)"
+        + (f" -> {r['offload_tier']}" if r["offload_tier"] else ""),
+        "-" if not r["offload_tier"] else
+        f"{fmt_rate(s['demand_bytes_per_s'])} = {_pct(s['link_fraction'])} of link; "
+        f"{'hidden' if s['prefetch_hidden'] else 'NOT hidden'}",
+        "-" if not r["offload_tier"] else
+        f"{fmt_rate(f['demand_bytes_per_s'])} = {_pct(f['link_fraction'])} of link; "
+        f"{'hidden' if f['prefetch_hidden'] else 'not hidden'}, max {f['max_tok_s']:.3g} tok/s",
+    ]
+
+
+def _hybrid_table(p: dict) -> tuple:
+    h, inp = p["hybrid"], p["inputs"]
+    first = h["rows"][0]
+    return (
+        f"Hybrid under a {fmt_bytes(h['budget'])} KV budget at {inp['target_tok_s']:g} tok/s in all "
+        f"({first['tok_s_per_request']:.4g} tok/s, one token every {first['seconds_per_token_per_request']:.3g} s "
+        "per request)",
+        ["KV", "resident tokens", "offloaded", "stream, sliding window", "stream, full attention"],
+        [_hybrid_row(r, h["chosen"]) for r in h["rows"]],
+        "* = chosen: the most precise that fits, else the most compact near-lossless one, offloading "
+        "the rest. Sliding: attention over the resident window only, one "
+        "token's KV crosses per new token. Full: every offloaded token read every step."
+        + ("".join("\n  - " + s for s in h["suggestions"])),
+    )
 
 
 def _split_table(sp: dict) -> tuple:
