@@ -66,3 +66,29 @@ def test_tied_embeddings_stored_once(tmp_path):
     x = torch.randint(0, 256, (1, 10))
     with torch.no_grad():
         assert torch.equal(m(x).logits, m2(x).logits)
+
+
+def test_bf16_model_roundtrip_same_logits(tmp_path):
+    m = tiny_random("llama", dtype=torch.bfloat16)  # rotary inv_freq is bf16 too (model.to)
+    lessmem.quantize_(m, lessmem.RTNConfig(bits=4, group_size=32), progress=False)
+    lessmem.save_quantized(m, tmp_path)
+    m2, _ = load_quantized(tmp_path)
+    assert m2.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    assert m2.model.embed_tokens.weight.dtype == torch.bfloat16
+    x = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, m2(x).logits)
+
+
+def test_checkpoint_without_buffer_dtypes_still_loads(tmp_path):
+    m = tiny_random("llama")
+    lessmem.quantize_(m, lessmem.RTNConfig(bits=4, group_size=32), progress=False)
+    lessmem.save_quantized(m, tmp_path)
+    p = tmp_path / "lessmem_quant.json"
+    meta = json.loads(p.read_text())
+    del meta["buffer_dtypes"]  # as written before the field existed
+    p.write_text(json.dumps(meta))
+    m2, _ = load_quantized(tmp_path)
+    x = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, m2(x).logits)

@@ -89,6 +89,10 @@ META_CASES = [
     ("tied not an object", _set(("tied",), ["a"]), "tied must map"),
     ("quantization not an object", _set(("quantization",), 3), "quantization must be"),
     ("version 2", _set(("version",), 2), "version=2"),
+    ("a buffer dtype not allowed", _set(("buffer_dtypes",), {"model.rotary_emb.inv_freq": "int8"}),
+     "buffer_dtypes must map"),
+    ("a buffer dtype for a stored tensor", _set(("buffer_dtypes",), {"model.norm.weight": "float16"}),
+     "not buffers the model computes itself"),
 ]
 
 

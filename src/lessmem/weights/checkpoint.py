@@ -5,7 +5,9 @@ Format (a directory):
 - ``lessmem_quant.json`` — ``{"format": "lessmem-quant", "version": 1, "architecture":
   "<transformers class>", "model_config": {...}, "quantization": {method config},
   "modules": {name: {"bits", "group_size", "symmetric", "act_bits", "in_features",
-  "out_features", "bias"}}, "tied": {key: stored key}}`` (tied tensors stored once)
+  "out_features", "bias"}}, "tied": {key: stored key}, "buffer_dtypes": {name: dtype}}``
+  (tied tensors stored once; buffers the model computes itself, such as rotary
+  ``inv_freq``, are not stored, only their dtype, so a bf16 model gets bf16 ones back)
 - ``model.safetensors`` — every float parameter/buffer of the model except the quantized
   linears, plus per quantized linear ``<name>.qweight`` (codes ``u [N, K]`` packed with
   ``formats.packing.pack_bits``: little-endian bit stream, row-major), ``<name>.scale``
@@ -105,11 +107,14 @@ def save_quantized(model, directory, tokenizer=None) -> None:
         seen[ptr] = key
         tensors[key] = tensors[key].detach().contiguous()
     save_file(tensors, str(d / WEIGHTS))
+    unsaved = set(dict(model.named_buffers())) - set(model.state_dict())  # rotary inv_freq ...
+    buffer_dtypes = {n: str(b.dtype).removeprefix("torch.") for n, b in model.named_buffers()
+                     if n in unsaved and b.is_floating_point()}
     meta = {"format": "lessmem-quant", "version": 1,
             "architecture": type(model).__name__,
             "model_config": model.config.to_dict(),
             "quantization": getattr(model, "_lessmem_quant", None),
-            "modules": modules, "tied": tied}
+            "modules": modules, "tied": tied, "buffer_dtypes": buffer_dtypes}
     if gguf_modules:
         meta["gguf_modules"] = gguf_modules
     (d / MARKER).write_text(json.dumps(meta, indent=1, default=str))
@@ -245,6 +250,10 @@ def _fill(model, meta: dict, file: TensorFile) -> None:
         owner, _, leaf = key.rpartition(".")
         setattr(get_module(model, owner) if owner else model, leaf, model.get_parameter(src)
                 if src in dict(model.named_parameters()) else model.get_buffer(src))
+    for key, dt in meta["buffer_dtypes"].items():  # recomputed in float32: the source's dtype
+        owner, _, leaf = key.rpartition(".")
+        mod = get_module(model, owner) if owner else model
+        setattr(mod, leaf, getattr(mod, leaf).to(check.BUFFER_DTYPES[dt]))
     left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if left:  # check_tensors accounts for every stored tensor; this guards that promise
         raise RuntimeError(f"load_quantized left tensors unset: {left[:5]}")

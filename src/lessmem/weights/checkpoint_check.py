@@ -41,6 +41,8 @@ from ..kernels.gguf_linear_cpp import check_shape as gguf_check_shape
 BITS = (2, 3, 4, 8)
 QUANT_FIELDS = {"bits": int, "group_size": int, "symmetric": bool, "act_bits": (int, type(None)),
                 "in_features": int, "out_features": int, "bias": bool}
+BUFFER_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "float64": torch.float64}
 GGUF_FIELDS = {"gguf_type": str, "in_features": int, "out_features": int, "bias": bool}
 
 
@@ -82,6 +84,11 @@ def read_meta(path: Path) -> dict:
                                              for k, v in tied.items()):
         raise bad(path, "tied must map tensor names to tensor names (strings)")
     meta["tied"] = tied
+    dtypes = meta.get("buffer_dtypes", {})
+    if not isinstance(dtypes, dict) or not all(isinstance(k, str) and v in BUFFER_DTYPES
+                                               for k, v in dtypes.items()):
+        raise bad(path, f"buffer_dtypes must map buffer names to one of {', '.join(BUFFER_DTYPES)}")
+    meta["buffer_dtypes"] = dtypes
     return meta
 
 
@@ -206,6 +213,10 @@ def check_tensors(path, meta: dict, model: nn.Module, stored: dict) -> None:
                             "and only the second stored")
         if own[key][1] != own[src][1]:
             raise bad(path, f"tied entry {key!r} -> {src!r}: shapes differ")
+    unsaved = set(dict(model.named_buffers())) - set(model.state_dict())
+    odd = sorted(set(meta["buffer_dtypes"]) - unsaved)
+    if odd:
+        raise bad(path, f"buffer_dtypes names {odd[:3]}, not buffers the model computes itself")
     missing = [k for k in expected if k not in stored and k not in meta["tied"]]
     if missing:
         raise bad(path, f"model.safetensors lacks {missing[:5]}")
