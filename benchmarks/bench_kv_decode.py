@@ -24,6 +24,7 @@ from common import header, parser, write_result  # noqa: E402
 
 import lessmem  # noqa: E402
 from lessmem.kvcache import KVCache, enable  # noqa: E402
+from lessmem.kvcache.cache import cache_kwarg  # noqa: E402
 
 
 def _context_ids(tok, n: int, vocab: int) -> torch.Tensor:
@@ -41,12 +42,12 @@ def _decode(model, cache, ids, steps: int):
     per step, logits list). CPU time (all threads) is robust to other processes on a
     shared machine; wall time is what a user sees."""
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **{cache_kwarg(model): cache}, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         times, cpu, logits = [], [], []
         for _ in range(steps):
             t0, c0 = time.perf_counter(), time.process_time()
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, **{cache_kwarg(model): cache}, use_cache=True)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
             logits.append(out.logits[:, -1])

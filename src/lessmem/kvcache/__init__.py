@@ -6,7 +6,7 @@ Example:
     >>> model = tiny_random("llama")
     >>> switch = lessmem.kvcache.enable(model)          # fused attention over quantized data
     >>> cache = lessmem.KVCache(model.config, "kivi-4")
-    >>> _ = model(torch.arange(1, 200).unsqueeze(0), past_key_values=cache)
+    >>> _ = model(torch.arange(1, 200).unsqueeze(0), cache=cache)  # older transformers: past_key_values=
     >>> mem = cache.memory()
     >>> mem["codes"] > 0, round(mem["k_bits"], 2)
     (True, 4.75)

@@ -20,7 +20,7 @@ Example:
     >>> model = tiny_random("llama")
     >>> with lessmem.kvcache.enable(model):
     ...     cache = lessmem.KVCache(model.config, "int4")
-    ...     out = model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+    ...     out = model(torch.tensor([[1, 2, 3]]), cache=cache)  # older transformers: past_key_values=
     ...     model.config._attn_implementation
     'lessmem'
     >>> model.config._attn_implementation
