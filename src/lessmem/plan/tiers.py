@@ -23,6 +23,9 @@ The policy replayed, per layer ℓ of L, batch B, H KV heads of dimension D:
   recently used blocks go one tier further down when it is full. A full last tier loses
   blocks (``lost_blocks``; the cache would raise ``BlockLostError`` reading them).
 
+The arithmetic of that rule (need, room, reserve, blocks kept, the implicit device tier)
+is :mod:`lessmem.base.placement`, which the cache's device budget uses too.
+
 Blocks all have the same size, so each tier's share is a block count: the device tier
 holds what survived the smallest ``room`` since each block was sealed, the host the most
 recently demoted ``⌊capacity / bb⌋``, the next tier the rest. ``needed_budget`` is the
@@ -45,6 +48,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..base.placement import (
+    blocks_kept,
+    check_lower_tiers,
+    device_need,
+    device_room,
+    staging_reserve,
+)
 from ..base.tierspec import TierSpec, format_offload_spec, parse_offload_spec, redact_url, size_text
 from ..base.units import parse_bytes
 from .kv import KVPrecision, layer_quant_bytes
@@ -119,15 +129,12 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
     specs = parse_offload_spec(offload) if isinstance(offload, str) else list(offload)
     if not specs or not all(isinstance(s, TierSpec) for s in specs):
         raise ValueError(f"offload={offload!r}; allowed: an --offload string or a list of TierSpec")
-    if any(s.kind == "device" for s in specs):
-        raise ValueError("offload names the device tier; allowed: host, disk:PATH, redis://... "
-                         "(the device's size is kv_budget)")
+    check_lower_tiers(specs, what="offload", budget_name="kv_budget")
     budget = None if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
 
     L = model.layers
     tb = 2 * batch * model.kv_heads * model.head_dim * p.full_bytes  # one full-precision token, one layer
     bb = quantized_bytes(model, p, block_tokens, batch)
-    mult = 2 if prefetch else 1
 
     def q(n):  # pending bytes
         return quantized_bytes(model, p, n, batch)
@@ -140,12 +147,13 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
 
     state = {"count": 0, "demoted": 0, "needed": 0.0}
 
-    def rebalance(fp_all: float, growth: float, reserve: int) -> int | None:
-        need = fp_all + growth + reserve
+    def rebalance(fp_all: float, growth: float, largest_history: int) -> int | None:
+        # the cache's own rule (lessmem.base.placement), replayed in block counts
+        need = device_need(fp_all, growth, staging_reserve(largest_history, prefetch))
         state["needed"] = max(state["needed"], need)
-        if budget is None:
+        cap = blocks_kept(device_room(budget, need), bb)  # blocks the device tier keeps
+        if cap is None:
             return None
-        cap = int(max(0, budget - need)) // bb  # blocks the device tier keeps
         if state["count"] > cap:
             state["demoted"] += state["count"] - cap
             state["count"] = cap
@@ -166,10 +174,10 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
             growth = c * tb * n_init
             # the read of this layer's history (before it appends): layers < `layer` are done
             rest = L - layer
-            rebalance(layer * fp_post + rest * fp_pre, growth, max(h_post if layer else 0, h_pre) * mult)
+            rebalance(layer * fp_post + rest * fp_pre, growth, max(h_post if layer else 0, h_pre))
             for fp_mid, h_mid in mids:  # each sealed block: rebalance, then put on the device
                 cap = rebalance(layer * fp_post + fp_mid + (rest - 1) * fp_pre, growth,
-                                max(h_post if layer else 0, h_mid, h_pre if rest > 1 else 0) * mult)
+                                max(h_post if layer else 0, h_mid, h_pre if rest > 1 else 0))
                 if cap is None or state["count"] < cap:
                     state["count"] += 1
                 else:  # the device's least recently used block (or, with no room, this one) moves down

@@ -212,7 +212,7 @@ class BlockStore:
         self.stack.close(flush=False)
 
 
-def on_device(parts: list[dict], device) -> list[dict]:
+def to_device(parts: list[dict], device) -> list[dict]:
     """``parts`` with every tensor on ``device`` (a copy only where one is elsewhere)."""
     if all(p["k_codes"].device == device for p in parts):
         return parts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import BlockStore, on_device
+from .blocks import BlockStore, to_device
 from .budget import BudgetAccount
 from .prefetch import Prefetcher
 
@@ -29,7 +29,7 @@ class HistoryReader:
         """``layer``'s blocks of ``keys`` in order, then ``pending`` (its partial block, if
         any), on the layer's device (``threads``: cores the reads may use)."""
         parts = self.store.gather(keys, threads) + layer.pending_parts(pending)
-        return on_device(parts, layer.device)
+        return to_device(parts, layer.device)
 
     def read(self, layer) -> list[dict]:
         """The parts attention reads for ``layer``: its attended blocks and partial block."""
