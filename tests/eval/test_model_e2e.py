@@ -5,7 +5,6 @@ import math
 import pytest
 
 from lessmem.eval import evaluate, load_text
-from lessmem.eval.caches import lessmem_presets
 
 
 @pytest.mark.model
@@ -13,7 +12,7 @@ def test_builtin_model_small_window():
     from lessmem.models import load
 
     model, tok = load("smollm2-135m")
-    configs = ["int8"] if "int8" in lessmem_presets() else ["hf-fp8"]
+    configs = ["int8"]
     name, text = load_text("pydoc")
     rows = evaluate(model, tok, configs, text, windows=1, window_len=192, chunk=16,
                     model_name="smollm2-135m", text_name=name)

@@ -138,12 +138,9 @@ def test_windows_from_a_prefix_equal_full_tokenization():
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_sliding_window_models(arch, tok):
-    from lessmem.eval.caches import lessmem_presets
-
     m = tiny_random(arch, num_layers=4, sliding_window=16)
     ids = make_windows(tok, TEXT, 2, 96)
-    configs = ["int4"] if "int4" in lessmem_presets() else []
-    rows = evaluate(m, tok, configs, ids.reshape(-1), windows=2, window_len=96, chunk=8)
+    rows = evaluate(m, tok, ["int4"], ids.reshape(-1), windows=2, window_len=96, chunk=8)
     assert rows[0]["ppl"] == pytest.approx(reference_ppl(m, ids, 24), rel=1e-4)
     # sliding layers hold at most 16 tokens: less than 96 tokens in every layer
     assert rows[0]["fp16_kv_bytes"] < 4 * 2 * 2 * 96 * 16 * 2
