@@ -67,3 +67,30 @@ def test_eval_reports_each_stage_on_a_piped_stderr_and_keeps_transformers_quiet(
     out = p.stdout
     assert "KLD ↓" in out and "top-1 ↑" in out and "↓ lower is better, ↑ higher is better" in out
     assert "first use s  one-time cost" in out
+
+
+def test_progress_on_a_terminal_draws_a_bar_and_keeps_the_stage_lines():
+    import io
+
+    from lessmem.eval.report import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    p = Progress(stream=out)
+    with p.steps("perplexity"):
+        for i in range(1, 5):
+            p(i, 4)
+            p.say(f"stage {i}")
+    text = out.getvalue()
+    assert "perplexity" in text and "━" in text  # the bar
+    assert all(f"s stage {i}\n" in text for i in range(1, 5))
+    assert "25% (1/4 steps)" not in text  # no quarter lines where the bar shows progress
+    quiet = io.StringIO()
+    q = Progress(enabled=False, stream=quiet)
+    q.say("x")
+    with q.steps("y"):
+        q(1, 1)
+    assert quiet.getvalue() == ""
