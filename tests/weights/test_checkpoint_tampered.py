@@ -85,6 +85,10 @@ META_CASES = [
     ("model_type unknown", _set(("model_config", "model_type"), "nope"), "not a valid 'nope' config"),
     ("a config field of the wrong type", _set(("model_config", "hidden_size"), "x"), "config"),
     ("a config of another size", _set(("model_config", "hidden_size"), 128), "the model's layer is"),
+    # a real buffer of 2^50 floats (rotary inv_freq) if built before the sizes were checked
+    ("a head_dim sized to exhaust memory", _set(("model_config", "head_dim"), 2**51), "the model's layer is"),
+    ("a million layers", _set(("model_config", "num_hidden_layers"), 10**6), "num_hidden_layers=1000000"),
+    ("a config the class cannot build", _set(("model_config", "num_attention_heads"), 0), "config"),
     ("tied to a missing tensor", _set(("tied",), {"lm_head.weight": "nope.weight"}), "tied entry"),
     ("tied not an object", _set(("tied",), ["a"]), "tied must map"),
     ("quantization not an object", _set(("quantization",), 3), "quantization must be"),

@@ -135,12 +135,19 @@ def load_quantized(directory):
     if not (d / MARKER).exists():
         raise ValueError(f"{d} holds no {MARKER}; not a lessmem quantized checkpoint")
     meta = check.read_meta(d / MARKER)
-    config = check.model_config(d / MARKER, meta)
-    cls = check.model_class(d / MARKER, meta["architecture"], config)
-    with parameters_on_meta():
-        model = cls(config)
     tensors = TensorFile(d / WEIGHTS)
-    check.check_tensors(d, meta, model, tensors.layout)
+    config = check.model_config(d / MARKER, meta, len(tensors.layout))
+    cls = check.model_class(d / MARKER, meta["architecture"], config)
+    try:
+        with torch.device("meta"):  # shapes only, buffers too: a config sized to attack allocates nothing
+            probe = cls(config)
+    except Exception as e:  # a config transformers' own classes cannot build
+        raise check.bad(d / MARKER, f"model_config does not build a {cls.__name__}: "
+                                    f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
+    check.check_tensors(d, meta, probe, tensors.layout)
+    del probe
+    with parameters_on_meta():  # now the real skeleton: buffers computed, parameters empty
+        model = cls(config)
     with tensors:
         _fill(model, meta, tensors)
     model._lessmem_quant = meta.get("quantization")

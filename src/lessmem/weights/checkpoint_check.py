@@ -10,7 +10,7 @@ is trusted until checked here:
   ``transformers.PreTrainedModel`` that takes the stored config), never any other
   attribute of the package (a function such as ``pipeline`` is refused, not called);
 - ``check_tensors``: every module name is a linear layer that exists in the model built
-  from the stored config, with the stored ``in_features``/``out_features``, and every
+  from the stored config (on the meta device: shapes only, nothing allocated), with the stored ``in_features``/``out_features``, and every
   tensor in ``model.safetensors`` has exactly the shape and dtype that layer needs; so
   no size from the file decides an allocation before it has been checked.
 
@@ -122,17 +122,24 @@ def _check_quant_spec(path, name: str, spec: dict) -> None:
                         "with bits=8")
 
 
-def model_config(path, meta: dict):
-    """The transformers config object built from ``meta["model_config"]``."""
+def model_config(path, meta: dict, n_tensors: int):
+    """The transformers config object built from ``meta["model_config"]``; ``n_tensors`` (how
+    many the tensor file holds) bounds the layer count, so even the meta-device model that
+    ``check_tensors`` compares against stays the file's size."""
     import transformers
 
     cfg = dict(meta["model_config"])
     model_type = cfg.pop("model_type")
     try:
-        return transformers.AutoConfig.for_model(model_type, **cfg)
+        config = transformers.AutoConfig.for_model(model_type, **cfg)
     except Exception as e:  # unknown model_type, or a field transformers' own checks refuse
         raise bad(path, f"model_config is not a valid {model_type!r} config: "
                         f"{str(e).splitlines()[0][:200]}") from None
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > n_tensors:  # every layer stores at least one tensor
+        raise bad(path, f"model_config has num_hidden_layers={layers}, but the tensor file "
+                        f"holds only {n_tensors} tensors")
+    return config
 
 
 def model_class(path, name: str, config):
