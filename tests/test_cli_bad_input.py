@@ -493,9 +493,20 @@ def _raise(exc):
 
 
 def test_library_errors_reach_the_user_as_one_line(monkeypatch, capsys):
-    _patched_run(monkeypatch, _raise(ValueError("not a valid GGUF file: x.gguf\n(truncated header)")))
+    import argparse
+
+    from lessmem import _cli_types
+    from lessmem.base.units import parse_bytes
+
+    def two_lines(value):
+        raise argparse.ArgumentTypeError(f"{value}: not a valid GGUF file\n(truncated header)")
+
+    _patched_run(monkeypatch, lambda args: _cli_types.apply("--model", two_lines, "x.gguf"))
     assert main(["presets"]) == 2
-    assert capsys.readouterr().err == "lessmem presets: error: not a valid GGUF file: x.gguf (truncated header)\n"
+    assert capsys.readouterr().err == "lessmem presets: error: --model x.gguf: not a valid GGUF file (truncated header)\n"
+    _patched_run(monkeypatch, lambda args: parse_bytes("lots", "--kv-budget"))  # a ValueError lessmem raises
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err.startswith("lessmem presets: error: --kv-budget='lots' is not a size")
     from lessmem.kvcache.cache import cache_kwarg
 
     _patched_run(monkeypatch, lambda args: cache_kwarg(object()))  # a TypeError lessmem raises on purpose
@@ -508,6 +519,9 @@ def test_library_errors_reach_the_user_as_one_line(monkeypatch, capsys):
 
 
 def test_real_bugs_keep_their_traceback(monkeypatch, capsys):
+    _patched_run(monkeypatch, lambda args: int("x"))  # a ValueError no lessmem check raised: a missing check
+    with pytest.raises(ValueError):
+        main(["presets"])
     _patched_run(monkeypatch, lambda args: None + 1)  # a TypeError from an operation: a bug
     with pytest.raises(TypeError):
         main(["presets"])

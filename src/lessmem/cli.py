@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Bad input of any kind ends as one line ``lessmem CMD: error: ...`` on stderr and exit
     code 2, before anything is loaded or written; ``LESSMEM_DEBUG=1`` shows the traceback.
+    A ValueError or TypeError counts as bad input when a lessmem check raised it (a
+    ``raise`` in lessmem's code, which says what is allowed); one from deeper down (numpy,
+    torch, a plain ``int("x")``) is a check missing in lessmem and keeps its traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -93,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get("LESSMEM_DEBUG"):
             raise
-        if isinstance(exc, (ValueError, FileNotFoundError)) or (
-                isinstance(exc, TypeError) and _raised_by_lessmem(exc)):
+        if isinstance(exc, FileNotFoundError) or (
+                isinstance(exc, (ValueError, TypeError)) and _raised_by_lessmem(exc)):
             return fail(prog, exc)  # bad input, named by the check that found it
         if isinstance(exc, OSError) or type(exc).__name__ == "ModelFetchError":
             return fail(prog, exc, 1)  # the machine, not the input: a full disk, no network
