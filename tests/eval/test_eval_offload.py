@@ -129,7 +129,7 @@ def test_eval_cli_offload_table(model_dir, text_file, tmp_path, capsys):
     (["--kv-budget", "1MiB"], "needs --offload"),
     (["--kv", "hf-fp8", "--offload", "host"], "--offload needs a lessmem preset in --kv, got hf-fp8; allowed"),
     (["--offload", "floppy"], "offload tier 'floppy' is not understood"),
-    (["--offload", "host", "--kv-budget", "lots"], "--kv-budget='lots' is not a size"),
+    (["--offload", "host", "--kv-budget", "lots"], "--kv-budget lots: allowed: a size"),
     (["--offload", "host", "--block-tokens", "40"], "block_tokens=40; allowed: a positive multiple"),
 ])
 def test_eval_cli_offload_bad_input_exit_2(model_dir, text_file, capsys, extra, match):
