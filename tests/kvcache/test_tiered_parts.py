@@ -80,6 +80,13 @@ def test_caches_sharing_one_budget_stay_within_it_together(tmp_path):
     for c in caches:
         c.close()
     assert budget.accounts == []
+    dropped = TieredKVCache(m.config, _gen.CFG, tiers="host", block_tokens=32, device_budget=budget)
+    assert len(budget.accounts) == 1
+    del dropped  # never closed: a cache nobody holds stops counting against the others
+    import gc
+
+    gc.collect()
+    assert budget.accounts == []
 
 
 def test_a_budget_below_the_working_set_warns_once_and_counts():

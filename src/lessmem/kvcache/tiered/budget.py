@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 
 from ...base.placement import device_need, device_room, staging_reserve
 from ...offload import MemoryTier, parse_bytes
@@ -38,11 +39,17 @@ class DeviceBudget:
 
     def __init__(self, limit=None):
         self.limit = self._parse(limit)
-        self.accounts: list[BudgetAccount] = []
+        self._accounts: weakref.WeakSet[BudgetAccount] = weakref.WeakSet()  # a dropped cache stops counting
         self.over_budget = 0  # rebalances at which even empty device tiers could not meet the limit
         self.peak = 0  # the most bytes all accounts held on the device together (sampled at reads)
         self._lock = threading.RLock()
         self._warned = False
+
+    @property
+    def accounts(self) -> list[BudgetAccount]:
+        """The open accounts (closed caches and caches no longer referenced do not count)."""
+        with self._lock:
+            return list(self._accounts)
 
     @staticmethod
     def _parse(limit) -> int | None:
@@ -54,23 +61,21 @@ class DeviceBudget:
         in flight, held on the device too)."""
         account = BudgetAccount(self, device_tier, prefetch, in_flight)
         with self._lock:
-            self.accounts.append(account)
+            self._accounts.add(account)
         return account
 
     def release(self, account: BudgetAccount) -> None:
         """Forget a closed account (its device bytes no longer count)."""
         with self._lock:
-            if account in self.accounts:
-                self.accounts.remove(account)
+            self._accounts.discard(account)
 
     def set_limit(self, limit) -> None:
         """Change the limit (bytes or ``"64MiB"``; None = unbounded); the next rebalance
         of each account applies it."""
         self.limit = self._parse(limit)
         if self.limit is None:
-            with self._lock:
-                for a in self.accounts:
-                    a.device_tier.resize(None)
+            for a in self.accounts:
+                a.device_tier.resize(None)
 
     def rebalance(self, account: BudgetAccount, need: float) -> None:
         """Size the device tiers for ``account`` needing ``need`` bytes besides its device
@@ -80,13 +85,14 @@ class DeviceBudget:
             account.needed = max(account.needed, need)
             if self.limit is None:
                 return
-            room = device_room(self.limit, sum(a.last_need for a in self.accounts))
+            accounts = list(self._accounts)
+            room = device_room(self.limit, sum(a.last_need for a in accounts))
             if room < 0:
                 account.over_budget += 1
                 self.over_budget += 1
                 self._warn(need, room)
             left = int(max(0, room))
-            for other in self.accounts:  # others keep what they hold while it fits
+            for other in accounts:  # others keep what they hold while it fits
                 if other is not account:
                     keep = min(other.device_tier.nbytes, left)
                     other.device_tier.resize(keep)
@@ -109,7 +115,7 @@ class DeviceBudget:
         with self._lock:
             account.last_bytes = device_bytes
             account.peak = max(account.peak, device_bytes)
-            self.peak = max(self.peak, sum(a.last_bytes for a in self.accounts))
+            self.peak = max(self.peak, sum(a.last_bytes for a in self._accounts))
 
 
 class BudgetAccount:
