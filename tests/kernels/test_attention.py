@@ -201,19 +201,6 @@ def test_layouts_the_cache_does_not_use_yet_work_from_their_description(bits, pa
         assert (out - ref).abs().max() <= 1e-4 * float(ref.abs().max()) + 1e-6
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
-
-def test_no_production_module_imports_the_test_oracle():
-    # attention_reference is the tests' oracle; the torch fallback is attention_torch
-    import ast
-    from pathlib import Path
-
-    import lessmem
-
-    users = []
-    for path in Path(lessmem.__file__).parent.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
-            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
-            if any("attention_reference" in n for n in [module, *names]):
-                users.append(path.name)
-    assert users == []
+# That no production module imports attention_reference (the tests' oracle; the torch
+# fallback is attention_torch) is checked, with every other *_reference oracle, by
+# tests/kernels/test_fallbacks.py::test_no_production_module_imports_a_test_oracle.

@@ -1,4 +1,5 @@
-"""Fused GGUF dequant-matmul (C++ and its fallback) against the dequantize-then-matmul twin;
+"""Fused GGUF dequant-matmul (C++ and its torch fallback, ``gguf_linear_torch``) against the
+test oracle ``gguf_linear_reference`` (numpy decoders, float64 matmul);
 GGUFLinear and apply_gguf on a tiny Llama."""
 
 import copy
@@ -24,7 +25,7 @@ def backend(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(kern, "_mod", lambda: None)
     elif not kern.available():
-        pytest.skip("no C++ compiler: only the reference twin runs")
+        pytest.skip("no C++ compiler: only the torch fallback runs")
     return request.param
 
 

@@ -1,4 +1,6 @@
-"""Fused linear kernels against their dequantize-then-matmul twins."""
+"""Fused linear kernels against the test oracle ``linear_reference`` (dequantize, then matmul
+in float64): each test runs the C++ kernels and, with ``_mod`` patched to None (no compiler),
+the torch fallbacks of ``linear_torch`` that ``linear_cpp`` then calls."""
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ def backend(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(linear_cpp, "_mod", lambda: None)
     elif not linear_cpp.available():
-        pytest.skip("no C++ compiler: only the torch twin runs")
+        pytest.skip("no C++ compiler: only the torch fallback runs")
     return request.param
 
 

@@ -30,7 +30,10 @@ the caller waits only for chunks a helper has claimed, so at worst it runs at on
 speed. Measure speed-ups on a quiet machine (``benchmarks/bench_gguf_linear.py`` records
 the load average).
 
-When no compiler is available the functions fall back to ``gguf_linear_reference``.
+When no compiler is available, or the tensors are not on the CPU, the functions run the
+torch fallback in ``gguf_linear_torch`` (the blocks decoded with torch ops on their own
+device, bit-identical weights, float32 sums). The test oracle both are checked against is
+``gguf_linear_reference`` (numpy decoders, float64 matmul).
 
 Example:
     >>> import torch
@@ -49,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.gguf import gguf_type
-from . import gguf_linear_reference as ref
+from . import gguf_linear_torch as fallback
 from ._build import load_cpp_file
 
 # The C++ source: csrc/gguf_linear.cpp (shipped as package data).
@@ -64,7 +67,7 @@ def _mod():
 
 
 def available() -> bool:
-    """True when the C++ kernel compiled (else the float64 reference twin is used)."""
+    """True when the C++ kernel compiled (else the torch fallback of ``gguf_linear_torch`` runs)."""
     return _mod() is not None
 
 
@@ -113,10 +116,8 @@ def gguf_linear_prechecked(x: torch.Tensor, raw: torch.Tensor, t, out_features: 
     dtype and bias are handled in C++, so the per-call Python overhead, paid by every linear
     of every decoded token, stays small."""
     m = _mod()
-    if m is None or x.device.type != "cpu" or raw.device.type != "cpu":  # CPU kernel only
-        w = ref.gguf_weight_ref(raw, t, out_features).to(x.device)
-        y = x.float() @ w.T
-        return (y if bias is None else y + bias.float()).to(x.dtype)
+    if m is None or not (x.is_cpu and raw.is_cpu):  # the C++ kernel reads CPU memory only
+        return fallback.gguf_linear_torch(x, raw, t, out_features, bias)
     return m.gguf_linear(x, raw, t.ggml_id, out_features, _NO_BIAS if bias is None else bias.float())
 
 
@@ -124,6 +125,6 @@ def gguf_dequantize(raw: torch.Tensor, qtype, out_features: int, in_features: in
     """float32 ``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf``."""
     t = _check(raw, qtype, out_features, in_features)
     m = _mod()
-    if m is None or raw.device.type != "cpu":  # decoded on the CPU, returned on raw's device
-        return ref.gguf_weight_ref(raw, t, out_features).to(raw.device)
+    if m is None or not raw.is_cpu:  # decoded with torch ops on raw's own device
+        return fallback.gguf_dequantize_torch(raw, t, out_features)
     return m.gguf_dequantize(raw, t.ggml_id, int(out_features), int(in_features))

@@ -13,7 +13,7 @@ scales are read as stored (fp16), zero points as uint8:
 ``lowbit_linear`` runs on integer dot products. Activations are rounded per (row, group)
 to 16-bit fixed point, ``x̂ = d·q`` with ``d = max|x_g| / 32258`` and ``q = round(x / d)``
 (so ``|x − x̂| ≤ d/2``: relative error ≤ 1.55e-5 of the group's largest activation;
-``linear_reference.quantize_act16`` is the twin), and split ``q = 256·hi + lo`` into two
+``linear_torch.quantize_act16`` is the torch twin), and split ``q = 256·hi + lo`` into two
 int8 halves (hi in [−126, 126], lo in [−128, 127]). Codes are decoded 32 at a time into
 bytes (2-bit: one 8-byte broadcast, a per-qword shift by 0/2/4/6, a mask; 4-bit: one
 16-byte broadcast, shift 0/4; 3-bit: a byte shuffle, then AVX-512 VBMI multishift or,
@@ -36,8 +36,9 @@ Decoding reads up to 16 bytes from a block's start, and the group vectors are re
 8-wide steps: where that would pass the end of the codes / scales / zero points, the row is
 read from a zero-padded copy.
 
-When no compiler is available each function falls back to the pure-torch twin in
-``linear_reference`` (same math, slower).
+When no compiler is available, or a tensor is not on the CPU, each function runs its
+torch fallback in ``linear_torch`` (same math, any device). The test oracle both are
+checked against is ``linear_reference`` (float64, dequantize then matmul).
 
 Example:
     >>> import torch
@@ -54,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from . import linear_reference as ref
+from . import linear_torch as fallback
 from ._build import load_cpp_file
 
 # The C++ source: csrc/linear.cpp (shipped as package data).
@@ -68,7 +69,7 @@ def _mod(extra_cflags: tuple[str, ...] = ()):
 
 
 def available() -> bool:
-    """True when the C++ kernels compiled (else the torch twins are used)."""
+    """True when the C++ kernels compiled (else the torch fallbacks of ``linear_torch`` run)."""
     return _mod() is not None
 
 
@@ -86,8 +87,8 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
     _check_dtype("scale", scale, torch.float16)
     m = _mod()
     x2 = _2d(x)
-    if m is None:
-        y = ref.int8_linear_ref(x2, w, scale)
+    if m is None or not (x2.is_cpu and w.is_cpu):  # the C++ kernel reads CPU memory only
+        y = fallback.int8_linear_torch(x2, w, scale)
     else:
         y = m.int8_linear(x2, w, scale.reshape(-1))
     return y.view(*x.shape[:-1], w.shape[0])
@@ -97,8 +98,8 @@ def w8a8_linear(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torc
     """``(sx · xq) @ (scale · w).T`` for int8 xq [M, K], sx [M], w [N, K], fp16 scale [N]."""
     _check_dtype("scale", scale, torch.float16)
     m = _mod()
-    if m is None:
-        return ref.w8a8_linear_ref(xq, sx, w, scale)
+    if m is None or not (xq.is_cpu and w.is_cpu):
+        return fallback.w8a8_linear_torch(xq, sx, w, scale)
     return m.w8a8_linear(xq, sx.float(), w, scale.reshape(-1))
 
 
@@ -145,10 +146,8 @@ def lowbit_linear_unchecked(x: torch.Tensor, codes: torch.Tensor, bits: int, sca
     tensors once (``QuantLinear`` at construction): less Python per call at batch 1."""
     m = _mod()
     x2 = _2d(x)
-    if m is None:
-        y = ref.lowbit_linear_ref(x2, codes, bits, scale, zero, group_size)
-        if bias is not None:
-            y = y + bias.float()
+    if m is None or not (x2.is_cpu and codes.is_cpu):
+        y = fallback.lowbit_linear_torch(x2, codes, bits, scale, zero, group_size, bias)
     else:
         y = m.lowbit_linear(x2, codes, bits, scale, zero, group_size,
                             _NO_BIAS if bias is None else bias.float())

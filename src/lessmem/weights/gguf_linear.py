@@ -10,7 +10,8 @@ registered buffer ``qweight`` — uint8 ``[N, K / block_size * type_size]``, the
 Forward: up to ``FUSED_MAX_ROWS`` input rows (decoding) go through the fused C++ kernel
 ``kernels.gguf_linear_cpp.gguf_linear`` (blocks decoded in registers, no float matrix);
 more rows (prefill) decode the weight once (bit-identical to
-``formats.gguf.dequantize_gguf``) and use BLAS, then drop it.
+``formats.gguf.dequantize_gguf``) and use BLAS, then drop it. Without a compiler, or with
+the layer on another device, both run the torch fallback ``kernels.gguf_linear_torch``.
 
 Example:
     >>> import torch

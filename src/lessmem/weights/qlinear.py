@@ -14,6 +14,9 @@ Layouts held (``N = out_features``, ``K = in_features``, ``G = K / group_size``)
   with ``act_bits=8`` (SmoothQuant W8A8) activations are quantized per token on the fly
   (x_q = round(x / s_x), s_x = max|x_token| / 127) and the int8·int8 kernel sums in int32.
 
+Without a compiler, or with the layer on another device, the C++ kernels' calls run their
+torch fallbacks (``kernels.linear_torch``: the same math on the tensors' own device).
+
 ``nbytes`` counts every tensor held (codes, scales, zero points, bias): the kernels read the
 held tensors directly, so there are no derived copies to go stale after ``load_state_dict``.
 
