@@ -126,6 +126,8 @@ def test_text_too_short_and_bad_configs(model, tok):
         evaluate(model, tok, ["int4", "int4"], TEXT, windows=1, window_len=32, chunk=4)
     with pytest.raises(ValueError, match="a string or a 1-D tensor"):
         make_windows(tok, 123, 1, 32)
+    with pytest.raises(TypeError, match="warmup='no'; allowed: True or False"):
+        evaluate(model, tok, [], TEXT, windows=1, window_len=32, chunk=4, warmup="no")
     check_protocol(1, 8, 1)  # the smallest allowed protocol passes
 
 

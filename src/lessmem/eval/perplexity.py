@@ -188,6 +188,8 @@ def evaluate(
     from lessmem.kvcache import enable
 
     check_protocol(windows, window_len, chunk)
+    if not isinstance(warmup, bool):
+        raise TypeError(f"warmup={warmup!r}; allowed: True or False")
     specs = _baseline_first(resolve_configs(configs))
     ids_all = make_windows(tok, text, windows, window_len)
     with enable(model):
