@@ -186,7 +186,13 @@ def test_construction_checks_before_opening_tiers(tmp_path):
 
 
 def test_the_placement_policy_is_plain_arithmetic():
-    from lessmem.base.placement import blocks_kept, check_lower_tiers, device_need, device_room, staging_reserve
+    from lessmem.base.placement import (
+        blocks_kept,
+        check_lower_tiers,
+        device_need,
+        device_room,
+        staging_reserve,
+    )
 
     assert staging_reserve(1000, prefetch=True) == 2000 and staging_reserve(1000, prefetch=False) == 1000
     need = device_need(resident=3000, growth=500, reserve=2000)
