@@ -107,6 +107,44 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
     arguments.
     """
     p = precision
+    specs, prefill_chunk = _check_split(p, context, batch, offload, block_tokens, prefill_chunk,
+                                        decode_tokens, decode_chunk)
+    budget = None if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
+    dev = _DeviceReplay(budget, quantized_bytes(model, p, block_tokens, batch), prefetch)
+    last = _replay(model, p, batch, block_tokens, dev,
+                   _schedule(context, prefill_chunk, decode_tokens, decode_chunk))
+
+    L, bb = model.layers, dev.block_bytes
+    rows = [{"tier": "device", "target": None, "capacity": budget, "blocks": dev.count,
+             "bytes": dev.count * bb}]
+    left = dev.demoted
+    for s in specs:
+        n = left if s.capacity is None else min(left, s.capacity // bb)
+        rows.append({"tier": s.kind, "target": redact_url(s.target) if s.kind == "remote" else s.target,
+                     "capacity": s.capacity, "blocks": n, "bytes": n * bb})
+        left -= n
+    resident = int(round(L * last["fp"]))
+    name = kv_name or p.name.removeprefix("lessmem:")
+    off = format_offload_spec(specs)
+    args = f"--kv {name}" + (f" --kv-budget {size_text(budget)}" if budget is not None else "") + \
+        f" --offload {off} --block-tokens {block_tokens}" + ("" if prefetch else " --no-prefetch")
+    total = last["blocks"] * L
+    return {
+        "precision": p.name, "context": context, "batch": batch, "block_tokens": block_tokens,
+        "block_bytes": bb, "blocks": total, "quantized_bytes": total * bb + L * last["pending_bytes"],
+        "resident_bytes": resident, "device_bytes": resident + dev.count * bb,
+        "kv_budget": budget, "needed_budget": int(math.ceil(dev.needed)),
+        "within_budget": budget is None or dev.needed <= budget,
+        "tiers": rows, "lost_blocks": left, "fits": left == 0,
+        "prefetch": bool(prefetch), "prefill_chunk": prefill_chunk, "decode_tokens": decode_tokens,
+        "decode_chunk": decode_chunk,
+        "offload": off, "args": args,
+    }
+
+
+def _check_split(p: KVPrecision, context, batch, offload, block_tokens, prefill_chunk,
+                 decode_tokens, decode_chunk) -> tuple[list[TierSpec], int]:
+    """Every argument of ``tier_split`` checked before any arithmetic: (tier specs, prefill chunk)."""
     _check_int("context", context, 1)
     _check_int("batch", batch, 1)
     _check_int("decode_tokens", decode_tokens, 0)
@@ -130,11 +168,45 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
     if not specs or not all(isinstance(s, TierSpec) for s in specs):
         raise ValueError(f"offload={offload!r}; allowed: an --offload string or a list of TierSpec")
     check_lower_tiers(specs, what="offload", budget_name="kv_budget")
-    budget = None if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
+    return specs, prefill_chunk
 
+
+class _DeviceReplay:
+    """The device tier's block count under the cache's own rule (``lessmem.base.placement``),
+    replayed in block counts: ``count`` blocks held, ``demoted`` moved down, ``needed`` the
+    largest device need seen."""
+
+    def __init__(self, budget: int | None, block_bytes: int, prefetch: bool):
+        self.budget, self.block_bytes, self.prefetch = budget, block_bytes, prefetch
+        self.count = self.demoted = 0
+        self.needed = 0.0
+
+    def rebalance(self, fp_all: float, growth: float, largest_history: int) -> int | None:
+        """Shrink the device tier to what the budget leaves; the blocks it may keep (None: all)."""
+        need = device_need(fp_all, growth, staging_reserve(largest_history, self.prefetch))
+        self.needed = max(self.needed, need)
+        cap = blocks_kept(device_room(self.budget, need), self.block_bytes)
+        if cap is None:
+            return None
+        if self.count > cap:
+            self.demoted += self.count - cap
+            self.count = cap
+        return cap
+
+    def seal(self, cap: int | None) -> None:
+        """A sealed block goes on the device, or (no room) its LRU block or itself moves down."""
+        if cap is None or self.count < cap:
+            self.count += 1
+        else:
+            self.demoted += 1
+
+
+def _replay(model, p: KVPrecision, batch: int, block_tokens: int, dev: _DeviceReplay,
+            schedule: list[int]) -> dict:
+    """Feed ``schedule``'s chunks through every layer as the cache does; the last layer state."""
     L = model.layers
     tb = 2 * batch * model.kv_heads * model.head_dim * p.full_bytes  # one full-precision token, one layer
-    bb = quantized_bytes(model, p, block_tokens, batch)
+    bb = dev.block_bytes
 
     def q(n):  # pending bytes
         return quantized_bytes(model, p, n, batch)
@@ -145,22 +217,8 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
     def hist(s: _Layer) -> int:
         return s.blocks * bb + q(s.pending)
 
-    state = {"count": 0, "demoted": 0, "needed": 0.0}
-
-    def rebalance(fp_all: float, growth: float, largest_history: int) -> int | None:
-        # the cache's own rule (lessmem.base.placement), replayed in block counts
-        need = device_need(fp_all, growth, staging_reserve(largest_history, prefetch))
-        state["needed"] = max(state["needed"], need)
-        cap = blocks_kept(device_room(budget, need), bb)  # blocks the device tier keeps
-        if cap is None:
-            return None
-        if state["count"] > cap:
-            state["demoted"] += state["count"] - cap
-            state["count"] = cap
-        return cap
-
     pre, T = _Layer(), 0
-    for c in _schedule(context, prefill_chunk, decode_tokens, decode_chunk):
+    for c in schedule:
         take = max(0, min(c, p.sinks - T))
         w1 = pre.window + c - take  # the window after appending, before it is trimmed
         f = max(0, (w1 - p.window) // p.block) * p.block  # tokens leaving the window, quantized
@@ -174,38 +232,9 @@ def tier_split(model, precision: KVPrecision, context: int, batch: int = 1, kv_b
             growth = c * tb * n_init
             # the read of this layer's history (before it appends): layers < `layer` are done
             rest = L - layer
-            rebalance(layer * fp_post + rest * fp_pre, growth, max(h_post if layer else 0, h_pre))
+            dev.rebalance(layer * fp_post + rest * fp_pre, growth, max(h_post if layer else 0, h_pre))
             for fp_mid, h_mid in mids:  # each sealed block: rebalance, then put on the device
-                cap = rebalance(layer * fp_post + fp_mid + (rest - 1) * fp_pre, growth,
-                                max(h_post if layer else 0, h_mid, h_pre if rest > 1 else 0))
-                if cap is None or state["count"] < cap:
-                    state["count"] += 1
-                else:  # the device's least recently used block (or, with no room, this one) moves down
-                    state["demoted"] += 1
+                dev.seal(dev.rebalance(layer * fp_post + fp_mid + (rest - 1) * fp_pre, growth,
+                                       max(h_post if layer else 0, h_mid, h_pre if rest > 1 else 0)))
         pre, T = post, T + c
-
-    total = pre.blocks * L
-    rows = [{"tier": "device", "target": None, "capacity": budget, "blocks": state["count"],
-             "bytes": state["count"] * bb}]
-    left = state["demoted"]
-    for s in specs:
-        n = left if s.capacity is None else min(left, s.capacity // bb)
-        rows.append({"tier": s.kind, "target": redact_url(s.target) if s.kind == "remote" else s.target,
-                     "capacity": s.capacity, "blocks": n, "bytes": n * bb})
-        left -= n
-    resident = int(round(L * fp(pre)))
-    name = kv_name or p.name.removeprefix("lessmem:")
-    off = format_offload_spec(specs)
-    args = f"--kv {name}" + (f" --kv-budget {size_text(budget)}" if budget is not None else "") + \
-        f" --offload {off} --block-tokens {block_tokens}" + ("" if prefetch else " --no-prefetch")
-    return {
-        "precision": p.name, "context": context, "batch": batch, "block_tokens": block_tokens,
-        "block_bytes": bb, "blocks": total, "quantized_bytes": total * bb + L * q(pre.pending),
-        "resident_bytes": resident, "device_bytes": resident + state["count"] * bb,
-        "kv_budget": budget, "needed_budget": int(math.ceil(state["needed"])),
-        "within_budget": budget is None or state["needed"] <= budget,
-        "tiers": rows, "lost_blocks": left, "fits": left == 0,
-        "prefetch": bool(prefetch), "prefill_chunk": prefill_chunk, "decode_tokens": decode_tokens,
-        "decode_chunk": decode_chunk,
-        "offload": off, "args": args,
-    }
+    return {"fp": fp(pre), "blocks": pre.blocks, "pending_bytes": q(pre.pending)}
