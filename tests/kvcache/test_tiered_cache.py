@@ -235,7 +235,8 @@ def test_to_kvcache_and_set_budget(tmp_path):
 def test_save_prefix_rekeys_session_blocks(tmp_path):
     m = _gen.model()
     ids = _gen.prompt(100)
-    cache = TieredKVCache(m.config, _gen.CFG, tiers=[DiskTier(tmp_path, fsync=False)], block_tokens=32)
+    # model=: a cache that knows only a config shares nothing (save_prefix refuses)
+    cache = TieredKVCache(m.config, _gen.CFG, tiers=[DiskTier(tmp_path, fsync=False)], block_tokens=32, model=m)
     logits = _gen.chunked_prefill(m, cache, ids)  # no set_tokens: blocks get session keys
     session = "s" + cache.session
     assert all(k.startswith(session) for la in cache.tiered for k in la.block_keys)
@@ -244,7 +245,7 @@ def test_save_prefix_rekeys_session_blocks(tmp_path):
     assert keys and not any(k.startswith(session) for k in keys)
     held = DiskTier(tmp_path).keys() + cache.device_tier.keys()
     assert not any(k.startswith(session) for k in held) and sum(k.startswith("state-") for k in held) == 1
-    fresh = TieredKVCache(m.config, _gen.CFG, tiers=[DiskTier(tmp_path)], block_tokens=32)
+    fresh = TieredKVCache(m.config, _gen.CFG, tiers=[DiskTier(tmp_path)], block_tokens=32, model=m)
     assert torch.equal(fresh.restore_prefix(ids[0]), logits)
     a = _gen.decode(m, cache, logits, 4)
     b = _gen.decode(m, fresh, logits, 4)

@@ -74,7 +74,8 @@ from .layer import TierContext, TieredKVLayer
 from .prefetch import Prefetcher, PrefetchStats
 from .prefix import PrefixStore
 from .reader import HistoryReader
+from .recovery import BlockRecoveryWarning, Recovery
 
 __all__ = ["TieredKVCache", "TieredKVLayer", "BlockLostError", "quantized_layers", "cache_kwargs",
            "BlockStore", "SealedBlocks", "DeviceBudget", "BudgetAccount", "Prefetcher", "PrefetchStats",
-           "PrefixStore", "HistoryReader", "TierContext"]
+           "PrefixStore", "HistoryReader", "TierContext", "BlockRecoveryWarning", "Recovery"]

@@ -33,7 +33,12 @@ from ...offload import (
 
 
 class BlockLostError(RuntimeError):
-    """A sealed block is in no tier any more (corrupted, deleted or evicted from the last tier)."""
+    """A sealed block is in no tier any more (corrupted, deleted or evicted from the last
+    tier); ``key`` names it (None when unknown)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 def tensor_bytes(t) -> int:
@@ -98,7 +103,11 @@ class BlockStore:
     # ---- keys -----------------------------------------------------------------------------
     def set_tokens(self, ids: list[int]) -> None:
         """Declare the token ids the cache holds or will hold: blocks inside them get
-        content keys from now on."""
+        content keys from now on. Without a model id (a cache that does not know its
+        model: :mod:`~.recovery`) every block keeps a session key."""
+        if self.model_id is None:
+            self._prefix_hashes = []
+            return
         hs = prefix_hashes(ids, self.block_tokens, self.model_id, self.key_config, first_block=self.sinks)
         self._prefix_hashes = hs[1:] if self.sinks else hs
 
@@ -184,7 +193,7 @@ class BlockStore:
                 if b is not None:
                     return b
         raise BlockLostError(f"KV block {key!r} is in no tier (corrupted, deleted or evicted "
-                             "from the last tier); give the last tier more capacity")
+                             "from the last tier); give the last tier more capacity", key)
 
     def gather(self, keys: list[str], threads: int = 1) -> list[dict]:
         """The blocks of ``keys`` in order: device-tier blocks by reference, the rest as

@@ -26,12 +26,13 @@ from ..config import KVConfig
 from ..layer import QuantizedKVLayer
 from ..presets import resolve
 from ..shape import head_dim as model_head_dim
-from .blocks import BlockStore
+from .blocks import BlockLostError, BlockStore
 from .budget import DeviceBudget
 from .layer import TierContext, TieredKVLayer
 from .prefetch import Prefetcher, check_prefetch
 from .prefix import PrefixStore
 from .reader import HistoryReader
+from .recovery import Recovery, check_model
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -45,11 +46,10 @@ def _lower_tiers(tiers) -> list[Tier]:
     return build_tiers("host" if specs is None else specs)
 
 
-def _model_id(text) -> str:
-    return "{}:{}:L{}:H{}:KV{}:D{}".format(
-        getattr(text, "_name_or_path", "") or "model", getattr(text, "model_type", "?"),
-        text.num_hidden_layers, text.hidden_size, getattr(text, "num_key_value_heads", 0),
-        getattr(text, "head_dim", 0) or 0)
+def _check_model_id(model_id) -> None:
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ValueError(f"model_id={model_id!r}; allowed: None (the weights' fingerprint, see "
+                         "lessmem.kvcache.identity) or a non-empty string naming these exact weights")
 
 
 def _check_window(attention_window, block_tokens: int, sinks: int) -> None:
@@ -72,8 +72,12 @@ class TieredKVCache(KVCache):
     ``device_budget``: bytes (or ``"64MiB"``) the cache may hold on the device, None =
     unbounded, or a :class:`~.budget.DeviceBudget` shared with other caches.
     ``block_tokens``: tokens per stored block (multiple of the config's ``block_size``).
-    ``write_policy``: ``"write-back"`` or ``"write-through"``. ``model_id``: names the
-    model in block keys (default: from the model config). ``attention_window``: None
+    ``write_policy``: ``"write-back"`` or ``"write-through"``. ``model``: the model the
+    cache serves (its weights' fingerprint names stored state; lost blocks can be
+    recomputed, :mod:`~.recovery`); ``prefill(model, ...)`` binds it too. ``model_id``:
+    a string naming these exact weights instead of the fingerprint (trusted as given).
+    With neither, nothing the cache stores is shared (session keys; ``save_prefix``
+    refuses). ``attention_window``: None
     (attend to everything) or the sliding-window policy: attend to the most recent
     blocks covering this many tokens (a multiple of ``block_tokens``; needs ``sinks=0``)
     plus the window; older blocks stay in the tiers for prefix reuse. ``prefetch``: True
@@ -83,8 +87,9 @@ class TieredKVCache(KVCache):
     def __init__(self, model_config, config: str | KVConfig = "int4", tiers=None, device_budget=None,
                  block_tokens: int = 256, prefetch: bool | str = True, write_policy: str = "write-back",
                  attention: str = "auto", model_id: str | None = None,
-                 attention_window: int | None = None):
-        text = check_model_config(model_config)  # a model or None: TypeError naming the fix
+                 attention_window: int | None = None, model=None):
+        check_model_config(model_config)  # a model or None: TypeError naming the fix
+        _check_model_id(model_id)
         kv_config = resolve(config)  # every argument is checked before any tier is opened
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_MODES)}")
@@ -92,9 +97,10 @@ class TieredKVCache(KVCache):
         _check_window(attention_window, block_tokens, kv_config.sinks)
         budget = device_budget if isinstance(device_budget, DeviceBudget) else DeviceBudget(device_budget)
         check_prefetch(prefetch)
+        check_model(model, model_config)
         self.block_tokens, self.attention_window = block_tokens, attention_window
-        self.model_id = model_id or _model_id(text)
-        self.store = BlockStore(_lower_tiers(tiers), write_policy, self.model_id,
+        self.recovery = Recovery(self, model_id)
+        self.store = BlockStore(_lower_tiers(tiers), write_policy, model_id,
                                 {**kv_config.to_dict(), "block_tokens": block_tokens}, block_tokens,
                                 kv_config.sinks)
         self.prefetcher = Prefetcher(prefetch, self.store.lower)
@@ -107,6 +113,8 @@ class TieredKVCache(KVCache):
                                     None if attention_window is None else attention_window // block_tokens)
         super().__init__(model_config, kv_config, attention)
         self.refresh_layers()
+        if model is not None:
+            self.recovery.bind(model)
 
     def _new_layer(self, layer_idx: int) -> TieredKVLayer:
         return TieredKVLayer(self.kv_config, layer_idx, self.rotations, self._fused, self._context)
@@ -181,7 +189,32 @@ class TieredKVCache(KVCache):
             if ids.shape[0] != 1:
                 raise ValueError(f"token ids of batch {ids.shape[0]}; allowed: batch 1 for prefix keys")
             ids = ids[0]
-        self.store.set_tokens(ids.reshape(-1).tolist())
+        ids = ids.reshape(-1).tolist()
+        self.recovery.declare(ids)
+        self.store.set_tokens(ids)
+
+    # ---- identity and recovery (lessmem.kvcache.tiered.recovery) -------------------------
+    @property
+    def model_id(self) -> str | None:
+        """What names this cache's stored state: the bound model's fingerprint, the
+        ``model_id`` given, or None (unbound: nothing is shared)."""
+        return self.store.model_id
+
+    def bind_model(self, model) -> None:
+        """Serve ``model`` (see the ``model`` argument); ValueError when the cache holds
+        another model's state."""
+        self.recovery.bind(model)
+
+    def _check_shareable(self, what: str) -> None:
+        if self.store.model_id is None:
+            raise ValueError(f"{what} needs to know the model (a config cannot tell two checkpoints, a "
+                             "quantized model or another dtype apart); allowed: TieredKVCache(cfg, ..., "
+                             "model=model), model_id='<id of these weights>', or prefill(model, ids)")
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """``KVCache.update``; a block no tier returns any more is recomputed when the model
+        and the token ids are known (:mod:`~.recovery`)."""
+        return self.recovery.update(super().update, key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- conversion (lessmem.kvcache.tiered.convert) ----------------------------------
     @classmethod
@@ -218,14 +251,17 @@ class TieredKVCache(KVCache):
             raise ValueError(f"the cache holds {self.get_seq_length()} tokens, token_ids has "
                              f"{len(ids)}; allowed: the ids the cache was filled with")
         self._check_restorable()
+        self._check_shareable("save_prefix")
         self.prefetcher.drain()  # block keys may change below: no gather may be in flight
         self.set_tokens(ids)
         return self.prefixes.save(self.tiered, ids, logits)
 
-    def restore_blocks(self, token_ids, dtype=None, device=None) -> int:
+    def restore_blocks(self, token_ids, dtype=None, device=None, model=None) -> int:
         """Load the longest run of leading blocks of ``token_ids`` that the lower tiers
         hold for every layer (saved by any cache with the same model id and config),
-        leaving at least one token to compute; returns the tokens restored (0: none).
+        leaving at least one token to compute; returns the tokens restored (0: none, also
+        for a cache that does not know its model). Each block is read and verified first:
+        the restore stops before the first missing or corrupt one. ``model`` binds it.
 
         The restored tokens are quantized history, exactly as stored; the caller feeds the
         rest of the prompt. The result is not bit-identical to a full prefill: there, the
@@ -233,19 +269,29 @@ class TieredKVCache(KVCache):
         the full-precision window (a difference of the same kind as the cache's own)."""
         self._check_restorable()
         self._check_empty("restore_blocks")
+        if model is not None:
+            self.recovery.bind(model)
         ids = torch.as_tensor(token_ids).reshape(-1).tolist()
         self.set_tokens(ids)
+        if self.store.model_id is None:  # unbound: nothing stored can be known to be this model's
+            return 0
         text = check_model_config(self.model_config)
         dtype = dtype or getattr(text, "torch_dtype", None) or torch.float32
         return self.prefixes.restore_blocks(self.tiered, ids, model_head_dim(text), dtype, device)
 
-    def restore_prefix(self, token_ids) -> torch.Tensor | None:
+    def restore_prefix(self, token_ids, model=None) -> torch.Tensor | None:
         """Load the state saved for exactly ``token_ids``; returns its logits (or an empty
-        tensor if none were saved), or None when no complete record is found."""
+        tensor if none were saved), or None when no complete and valid record is found
+        (every block is read and verified first) or the cache does not know its model
+        (``model`` binds it)."""
         self._check_restorable()
         self._check_empty("restore_prefix")
+        if model is not None:
+            self.recovery.bind(model)
         ids = torch.as_tensor(token_ids).reshape(-1).tolist()
         self.set_tokens(ids)
+        if self.store.model_id is None:
+            return None
         return self.prefixes.restore(self.tiered, ids)
 
     def prefill(self, model, input_ids: torch.Tensor, chunk: int | None = None, save: bool = True,
@@ -258,6 +304,7 @@ class TieredKVCache(KVCache):
         the logits are returned all the same)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}; allowed: [batch, tokens]")
+        self.recovery.bind(model)  # its fingerprint names the state; lost blocks can be recomputed
         single = input_ids.shape[0] == 1 and len(self.tiered) == len(self.layers)
         start = 0  # prompt tokens already in the cache (restored blocks)
         if single and not self.get_seq_length():
@@ -279,7 +326,7 @@ class TieredKVCache(KVCache):
         if save and single:
             try:
                 self.save_prefix(input_ids[0], logits)
-            except TierFullError as e:  # the prefill stands: its blocks stay readable where they are
+            except (TierFullError, BlockLostError) as e:  # the prefill stands: its blocks stay readable
                 warnings.warn(f"the prompt's state was not saved for reuse ({e}); allowed: a lower "
                               "tier with room for it", RuntimeWarning, stacklevel=2)
         return logits
@@ -296,8 +343,10 @@ class TieredKVCache(KVCache):
         """Per-tier hits, misses, bytes moved, GB/s; prefetch on-time/late counts; prefix
         reuse; ``over_budget`` (reads over the device budget), ``needed_budget`` (the most
         this cache needed on the device besides its device tier) and ``refused_blocks``
-        (seals no tier took: their tokens stayed on the device)."""
+        (seals no tier took: their tokens stayed on the device); ``recoveries`` and
+        ``tokens_recomputed`` (blocks lost from the tiers, recomputed: :mod:`~.recovery`)."""
         out = self.store.stack.stats()
+        out.update(self.recovery.stats())
         out["prefetch"] = self.prefetcher.stats.to_dict()
         out["prefill_skipped"] = self.prefill_skipped
         out["prefix_tokens_reused"] = self.prefix_tokens_reused
@@ -315,6 +364,7 @@ class TieredKVCache(KVCache):
         """Stop the prefetcher, drop this session's (non-shareable) blocks, close the tiers."""
         self.prefetcher.close()
         self.account.close()
+        self.recovery.unbind()  # the model's forward hook goes
         self.store.close(keep_session, [k for layer in self.tiered for k in layer.block_keys])
 
     def __repr__(self) -> str:

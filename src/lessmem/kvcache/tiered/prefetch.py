@@ -157,7 +157,7 @@ class Prefetcher:
     def drain(self) -> None:
         """Wait for everything in flight and forget it (block keys may change next)."""
         for h in self._gathers.values():
-            h.future.result()
+            h.future.exception()  # waits; the failure of a read nobody takes does not matter
         self._gathers = {}
         for tier, ticket in self._hints:
             tier.advise_done(ticket, wait=True)

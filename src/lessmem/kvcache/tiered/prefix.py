@@ -85,8 +85,8 @@ class PrefixStore:
             return None
         keys = {layer.layer_idx: [self.store.key(layer.layer_idx, b)
                                for b in range(len(rec[f"L{layer.layer_idx}.block_bytes"]))] for layer in layers}
-        if not all(self.store.held_below(k) for ks in keys.values() for k in ks):
-            return None  # checked before any layer changes
+        if not all(self.store.find_below(k) is not None for ks in keys.values() for k in ks):
+            return None  # read and verified before any layer changes (a corrupt block is a miss)
         for layer in layers:
             i, ks = layer.layer_idx, keys[layer.layer_idx]
             layer.start_like(rec[f"L{i}.probe"])
@@ -112,7 +112,9 @@ class PrefixStore:
                 return 0
         n = min(self.store.content_blocks, (len(ids) - s - 1) // block_tokens)
         k = 0
-        while k < n and all(self.store.held_below(self.store.key(layer.layer_idx, k)) for layer in layers):
+        # read and verified, not only present: the restore stops before a missing or corrupt block
+        while k < n and all(self.store.find_below(self.store.key(layer.layer_idx, k)) is not None
+                            for layer in layers):
             k += 1
         if not k:
             return 0
