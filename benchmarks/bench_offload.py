@@ -48,8 +48,6 @@ from lessmem.kvcache.presets import PRESETS  # noqa: E402
 from lessmem.kvcache.tiered import TieredKVCache, cache_kwargs  # noqa: E402
 from lessmem.offload import DiskTier  # noqa: E402
 
-MODEL_ID = "bench-offload"
-
 
 def load_model(quick: bool):
     if quick:
@@ -112,13 +110,13 @@ def run_context(model, tok, cfg, block_tokens, n_ctx, steps, disk_share, root: P
     if save:  # the state after the prompt, for the peak-RSS subprocesses
         torch.save(ids, root / "ids.pt")
         saver = TieredKVCache.from_cache(src, tiers=[DiskTier(root / "rss-store")],
-                                         block_tokens=block_tokens, model_id=MODEL_ID)
+                                         block_tokens=block_tokens, model=model)
         saver.save_prefix(ids[0], logits0)
         saver.close(keep_session=True)
     caches = {"memory": src}
     for name, pf in (("tiered+prefetch", True), ("tiered", False)):
         c = TieredKVCache.from_cache(src, tiers=[DiskTier(root / f"{n_ctx}-{name}")],
-                                     block_tokens=block_tokens, prefetch=pf, model_id=MODEL_ID)
+                                     block_tokens=block_tokens, prefetch=pf, model=model)
         c.set_device_budget(budget_for(c, disk_share))
         caches[name] = c
     nxt = {n: logits0.argmax(-1) for n in caches}
@@ -177,7 +175,7 @@ def sample():  # current RSS every 2 ms: the peak while the cache is restored an
         time.sleep(0.002)
 th = threading.Thread(target=sample, daemon=True)
 th.start()
-c = TieredKVCache(model.config, cfg, tiers=[DiskTier(store)], block_tokens=bt, model_id=b.MODEL_ID)
+c = TieredKVCache(model.config, cfg, tiers=[DiskTier(store)], block_tokens=bt, model=model)  # same weights: same keys
 if mode == "tiered":
     c.set_device_budget(1)  # restore with everything below the device, then set the real budget
 logits = c.restore_prefix(ids[0])

@@ -67,8 +67,14 @@ class CacheSpec:
     kind: str = "custom"
     detail: Any = None
     config: Any = None  # the preset name or KVConfig of a lessmem cache (what with_offload needs)
+    takes_model: bool = False  # the factory also takes model= (the model the cache will serve)
 
-    def make(self, model_config):
+    def make(self, model_config, model=None):
+        """The cache for ``model_config``. ``model``: the model it will serve, for caches
+        that use it (a tiered cache names its stored state by the model's weights and
+        recomputes blocks a tier lost); ignored by the others."""
+        if model is not None and self.takes_model:
+            return self.factory(model_config, model=model)
         return self.factory(model_config)
 
 
@@ -174,7 +180,9 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
     None = unbounded). Every cache the spec makes builds its own tiers from the string
     (a disk directory or Redis server is shared; each cache's blocks have their own keys
     and ``close()`` removes them). The tiered cache is bit-exact with the in-memory one,
-    so the name stays; ``detail`` records the tiers and budget.
+    so the name stays; ``detail`` records the tiers and budget. ``spec.make(cfg, model=model)``
+    binds the model (stored state keyed by its weights, lost blocks recomputed: see
+    :mod:`lessmem.kvcache.tiered.recovery`); lessmem's eval and generate pass it.
 
     Example:
         >>> from lessmem.models import tiny_random
@@ -200,16 +208,16 @@ def with_offload(spec, offload: str, kv_budget=None, block_tokens: int = 256,
 
     check_block_tokens(block_tokens, resolve(preset).block_size, spec.name)
 
-    def make(cfg):
+    def make(cfg, model=None):
         from lessmem.kvcache.tiered import TieredKVCache
 
         return TieredKVCache(cfg, preset, tiers=offload, device_budget=budget,
-                             block_tokens=block_tokens, prefetch=prefetch)
+                             block_tokens=block_tokens, prefetch=prefetch, model=model)
 
     detail = {**(spec.detail if isinstance(spec.detail, dict) else {"config": spec.detail}),
               "offload": redact_offload_text(offload), "device_budget": budget, "block_tokens": block_tokens,
               "prefetch": bool(prefetch)}
-    return CacheSpec(spec.name, make, "lessmem", detail, preset)
+    return CacheSpec(spec.name, make, "lessmem", detail, preset, takes_model=True)
 
 
 def close_cache(cache) -> None:

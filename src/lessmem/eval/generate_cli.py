@@ -218,7 +218,7 @@ def run(args) -> int:
     context = getattr(model.config, "max_position_embeddings", None)
     check_context("--max-new-tokens", args.max_new_tokens, n_prompt + args.max_new_tokens, context,
                   f"the prompt's {n_prompt:,} tokens and {args.max_new_tokens:,} new ones")
-    cache = args.spec.make(model.config)
+    cache = args.spec.make(model.config, model=model)  # a tiered cache keys its state by the weights
     gen = _generate_kwargs(tok, args)
     reused = None
     try:

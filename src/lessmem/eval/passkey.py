@@ -158,7 +158,7 @@ def passkey_eval(
     for n, d, key in trials:
         prompt = passkey_prompt(tok, n, d, key)
         for s in specs:
-            ok, answer = retrieve(model, tok, prompt, s.make(model.config))
+            ok, answer = retrieve(model, tok, prompt, s.make(model.config, model=model))
             r = res[s.name]
             r["trials"] += 1
             r["found"] += int(ok)

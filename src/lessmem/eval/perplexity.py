@@ -235,7 +235,7 @@ class _Lockstep:
         x = ids[:, self.P : self.P + self.chunk]
         for i, s in enumerate(self.specs):
             self.log(f"warm-up {s.name} ({i + 1}/{len(self.specs)})")
-            cache = s.make(self.model.config)
+            cache = s.make(self.model.config, model=self.model)
             t0 = time.perf_counter()
             self._forward(ids[:, : self.P], cache, logits_to_keep=1)
             self._forward(x, cache)
@@ -251,7 +251,7 @@ class _Lockstep:
                 break
             self.log(f"window {w + 1}/{n}: {self.window_len} tokens through {len(self.specs)} caches")
             ids = ids_all[w : w + 1].to(self.device)  # [1, N]
-            caches = {s.name: s.make(self.model.config) for s in self.specs}
+            caches = {s.name: s.make(self.model.config, model=self.model) for s in self.specs}
             try:
                 self._prefill(ids, caches)
                 self._tick(w, 0, total)
