@@ -322,3 +322,36 @@ def test_model_argument_checks(model):
     with pytest.raises(ValueError, match="holds state of another model"):
         c.bind_model(tiny_random("llama", num_layers=4, seed=2))
     c.close()
+
+
+def test_generate_recovers_a_block_lost_mid_generation(model, tmp_path):
+    """transformers' own decode loop: the bound model's forwards record the token ids."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from lessmem.kvcache.cache import cache_kwarg
+
+    class DeleteBlocksAt(StoppingCriteria):
+        def __init__(self, step):
+            self.step, self.n = step, 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.n += 1
+            if self.n == self.step:
+                for p in _blocks(tmp_path):
+                    p.unlink()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    ids = _gen.prompt()
+    gen = dict(max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **{cache_kwarg(model): KVCache(model.config, _gen.CFG)}, **gen)
+    cache = TieredKVCache(model.config, _gen.CFG, tiers=[DiskTier(tmp_path, fsync=False)], block_tokens=32,
+                          device_budget="16KiB", model=model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cache.prefill(model, ids[:, :-1], save=False)  # as `lessmem generate` does
+        out = model.generate(ids, **{cache_kwarg(model): cache}, **gen,
+                             stopping_criteria=StoppingCriteriaList([DeleteBlocksAt(5)]))
+    assert torch.equal(out, ref)
+    assert sum(issubclass(w.category, BlockRecoveryWarning) for w in seen) == 1
+    assert cache.offload_stats()["recoveries"] >= 1
+    cache.close()

@@ -49,6 +49,14 @@ that only *starts* like a stored one loads the blocks of the shared prefix
 (``restore_blocks``: the longest run of leading blocks every layer has, plus the exact
 sinks) and computes the rest, so requests sharing a system prompt or a document skip it.
 
+Identity and lost blocks (:mod:`~.recovery`): the model id is the fingerprint of the
+weights the cache's model holds (``model=``, or bound by ``prefill(model, ...)``), so
+another model, a quantized copy or another dtype never restores this state, and equal
+weights share it on any machine. A cache that knows only a config shares nothing. A
+block a tier lost (Redis down or restarted, evicted, deleted, corrupt) is recomputed
+from the known token ids, with one :class:`BlockRecoveryWarning`; restores read and
+verify every block first.
+
 Example:
     >>> import torch, tempfile
     >>> from lessmem.models import tiny_random
