@@ -136,13 +136,13 @@ class Recovery:
     def _start_step(self, cache, q: int) -> None:
         """The first layer of a forward: record its ids (when known and contiguous)."""
         self._stash = {}
-        self._stashing = self._can_recover(cache) is None
         self._step_len = n = cache.get_seq_length()
         incoming, self._incoming = self._incoming, None
         if len(self.ids) >= n and incoming is not None and len(incoming) == q:
             self.ids = self.ids[:n] + incoming
         elif len(self.ids) < n + q:  # fed without known ids: what follows is unknown
             self.ids = self.ids[:n]
+        self._stashing = self._can_recover(cache) is None
 
     # ---- the update path --------------------------------------------------------------
     def update(self, base, key_states, value_states, layer_idx, *args, **kwargs):
