@@ -15,18 +15,16 @@ See :mod:`lessmem.kvcache.tiered` for the policy and an example.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ...base.placement import check_lower_tiers
-from ...offload import Tier, TierFullError, build_tiers, check_block_tokens, parse_offload_spec
+from ...offload import Tier, build_tiers, check_block_tokens, parse_offload_spec
 from ..cache import ATTENTION_MODES, KVCache, cache_kwarg, check_model_config
 from ..config import KVConfig
 from ..layer import QuantizedKVLayer
 from ..presets import resolve
-from ..shape import head_dim as model_head_dim
-from .blocks import BlockLostError, BlockStore
+from . import persist
+from .blocks import BlockStore
 from .budget import DeviceBudget
 from .layer import TierContext, TieredKVLayer
 from .prefetch import Prefetcher, check_prefetch
@@ -205,12 +203,6 @@ class TieredKVCache(KVCache):
         another model's state."""
         self.recovery.bind(model)
 
-    def _check_shareable(self, what: str) -> None:
-        if self.store.model_id is None:
-            raise ValueError(f"{what} needs to know the model (a config cannot tell two checkpoints, a "
-                             "quantized model or another dtype apart); allowed: TieredKVCache(cfg, ..., "
-                             "model=model), model_id='<id of these weights>', or prefill(model, ids)")
-
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """``KVCache.update``; a block no tier returns any more is recomputed when the model
         and the token ids are known (:mod:`~.recovery`)."""
@@ -234,27 +226,10 @@ class TieredKVCache(KVCache):
 
         return in_memory_copy(self)
 
-    # ---- prefix persistence --------------------------------------------------------------
-    def _check_restorable(self) -> None:
-        if len(self.tiered) != len(self.layers):
-            raise ValueError("prefix save/restore needs every layer quantized; allowed: configs "
-                             "without skip_layers and models without exact sliding-window layers")
-
-    def _check_empty(self, what: str) -> None:
-        if self.get_seq_length():
-            raise ValueError(f"{what} needs an empty cache; allowed: a fresh cache or after reset()")
-
+    # ---- prefix persistence (lessmem.kvcache.tiered.persist) --------------------------
     def save_prefix(self, token_ids, logits: torch.Tensor | None = None) -> str:
         """Persist the state after ``token_ids`` (:mod:`~.prefix`); returns the record key."""
-        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
-        if self.get_seq_length() != len(ids):
-            raise ValueError(f"the cache holds {self.get_seq_length()} tokens, token_ids has "
-                             f"{len(ids)}; allowed: the ids the cache was filled with")
-        self._check_restorable()
-        self._check_shareable("save_prefix")
-        self.prefetcher.drain()  # block keys may change below: no gather may be in flight
-        self.set_tokens(ids)
-        return self.prefixes.save(self.tiered, ids, logits)
+        return persist.save_prefix(self, token_ids, logits)
 
     def restore_blocks(self, token_ids, dtype=None, device=None, model=None) -> int:
         """Load the longest run of leading blocks of ``token_ids`` that the lower tiers
@@ -267,32 +242,14 @@ class TieredKVCache(KVCache):
         rest of the prompt. The result is not bit-identical to a full prefill: there, the
         later prompt tokens attended to the last restored ones while those were still in
         the full-precision window (a difference of the same kind as the cache's own)."""
-        self._check_restorable()
-        self._check_empty("restore_blocks")
-        if model is not None:
-            self.recovery.bind(model)
-        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
-        self.set_tokens(ids)
-        if self.store.model_id is None:  # unbound: nothing stored can be known to be this model's
-            return 0
-        text = check_model_config(self.model_config)
-        dtype = dtype or getattr(text, "torch_dtype", None) or torch.float32
-        return self.prefixes.restore_blocks(self.tiered, ids, model_head_dim(text), dtype, device)
+        return persist.restore_blocks(self, token_ids, dtype, device, model)
 
     def restore_prefix(self, token_ids, model=None) -> torch.Tensor | None:
         """Load the state saved for exactly ``token_ids``; returns its logits (or an empty
         tensor if none were saved), or None when no complete and valid record is found
         (every block is read and verified first) or the cache does not know its model
         (``model`` binds it)."""
-        self._check_restorable()
-        self._check_empty("restore_prefix")
-        if model is not None:
-            self.recovery.bind(model)
-        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
-        self.set_tokens(ids)
-        if self.store.model_id is None:
-            return None
-        return self.prefixes.restore(self.tiered, ids)
+        return persist.restore_prefix(self, token_ids, model)
 
     def prefill(self, model, input_ids: torch.Tensor, chunk: int | None = None, save: bool = True,
                 reuse_prefix: bool = True):
@@ -302,34 +259,7 @@ class TieredKVCache(KVCache):
         and only the rest is computed, in chunks of ``chunk`` tokens (default
         ``block_tokens``); saved when ``save`` (a save no tier can hold is warned about,
         the logits are returned all the same)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}; allowed: [batch, tokens]")
-        self.recovery.bind(model)  # its fingerprint names the state; lost blocks can be recomputed
-        single = input_ids.shape[0] == 1 and len(self.tiered) == len(self.layers)
-        start = 0  # prompt tokens already in the cache (restored blocks)
-        if single and not self.get_seq_length():
-            logits = self.restore_prefix(input_ids[0])
-            if logits is not None and logits.numel():
-                return logits.to(model.device if hasattr(model, "device") else "cpu")
-            if logits is not None:
-                raise ValueError("the saved prefix has no logits; allowed: restore_prefix() then feed a token")
-            self.set_tokens(input_ids[0])
-            if reuse_prefix:
-                start = self.restore_blocks(input_ids[0], dtype=getattr(model, "dtype", None),
-                                            device=getattr(model, "device", None))
-        step = chunk or self.block_tokens
-        out = None
-        with torch.no_grad():
-            for a in range(start, input_ids.shape[1], step):
-                out = model(input_ids[:, a:a + step], **cache_kwargs(model, self))
-        logits = out.logits[:, -1].float()
-        if save and single:
-            try:
-                self.save_prefix(input_ids[0], logits)
-            except (TierFullError, BlockLostError) as e:  # the prefill stands: its blocks stay readable
-                warnings.warn(f"the prompt's state was not saved for reuse ({e}); allowed: a lower "
-                              "tier with room for it", RuntimeWarning, stacklevel=2)
-        return logits
+        return persist.prefill(self, model, input_ids, chunk, save, reuse_prefix)
 
     # ---- reporting / lifecycle -----------------------------------------------------------
     def memory(self) -> dict:
