@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Run lessmem's transformers-facing tests against one given transformers version.
 #
-#   .ci/transformers_matrix.sh 4.56.0          # the floor pyproject.toml allows
 #   .ci/transformers_matrix.sh 5.24.0          # the newest the registry serves today
-#   .ci/transformers_matrix.sh 4.56.0 -k cache # extra arguments go to pytest
+#   .ci/transformers_matrix.sh 5.13.0          # the oldest that passes (2026-12-01)
+#   .ci/transformers_matrix.sh 5.13.0 -k cache # extra arguments go to pytest
+#
+# Checked 2026-12-01: 5.24.0 and 5.13.0 pass. 5.12.1 and older (5.0.0, 4.56.0, the floor
+# pyproject.toml names) fail: their cache layers must define get_max_cache_shape (later
+# releases ask get_max_length instead), 4.56 passes get_mask_sizes a cache_position
+# tensor, and 4.56 has no fp8 QuantizedCache backend.
 #
 # It makes a virtual environment under ${MATRIX_DIR:-/tmp/lessmem-tf-matrix}/<version>
 # that sees this machine's packages (--system-site-packages: torch, numpy, pytest, ...
