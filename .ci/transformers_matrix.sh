@@ -5,11 +5,10 @@
 #   .ci/transformers_matrix.sh 5.13.0          # the oldest that passes (2026-12-01)
 #   .ci/transformers_matrix.sh 5.13.0 -k cache # extra arguments go to pytest
 #
-# Checked 2026-12-01: 5.24.0 and 5.13.0 pass; 5.0.0 and 4.56.0 (the floor
-# pyproject.toml names) fail, and 5.12.1 must by its source: their cache layers must define
-# get_max_cache_shape (later
-# releases ask get_max_length instead), 4.56 passes get_mask_sizes a cache_position
-# tensor, and 4.56 has no fp8 QuantizedCache backend.
+# Checked 2026-12-01: 5.24.0 and 5.13.0 pass; 5.0.0 and 4.56.0 (the floor pyproject.toml
+# names) fail when run, and 5.12.1 must by its source: their cache layers must define
+# get_max_cache_shape (later releases ask get_max_length instead); 4.56 also passes
+# get_mask_sizes a cache_position tensor and has no fp8 QuantizedCache backend.
 #
 # It makes a virtual environment under ${MATRIX_DIR:-/tmp/lessmem-tf-matrix}/<version>
 # that sees this machine's packages (--system-site-packages: torch, numpy, pytest, ...
