@@ -84,6 +84,11 @@ def cache_kwarg(model) -> str:
 
 
 @lru_cache(maxsize=None)
+def cache_kwargs(model, cache) -> dict:
+    """Forward kwargs passing ``cache`` under :func:`cache_kwarg`, with ``use_cache``."""
+    return {cache_kwarg(model): cache, "use_cache": True}
+
+
 def _library_cache_kwarg() -> str:
     """The installed transformers' own name: what its reference model (Llama) takes."""
     from transformers.models.llama.modeling_llama import LlamaModel

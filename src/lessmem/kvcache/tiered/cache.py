@@ -19,7 +19,7 @@ import torch
 
 from ...base.placement import check_lower_tiers
 from ...offload import Tier, build_tiers, check_block_tokens, parse_offload_spec
-from ..cache import ATTENTION_MODES, KVCache, cache_kwarg, check_model_config
+from ..cache import ATTENTION_MODES, KVCache, cache_kwargs, check_model_config  # noqa: F401  (cache_kwargs re-exported)
 from ..config import KVConfig
 from ..layer import QuantizedKVLayer
 from ..presets import resolve
@@ -31,11 +31,6 @@ from .prefetch import Prefetcher, check_prefetch
 from .prefix import PrefixStore
 from .reader import HistoryReader
 from .recovery import Recovery, check_model
-
-
-def cache_kwargs(model, cache) -> dict:
-    """Forward kwargs passing ``cache`` under :func:`cache_kwarg`, with ``use_cache``."""
-    return {cache_kwarg(model): cache, "use_cache": True}
 
 
 def _lower_tiers(tiers) -> list[Tier]:

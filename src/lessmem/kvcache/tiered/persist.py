@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ...offload import TierFullError
-from ..cache import cache_kwarg, check_model_config
+from ..cache import cache_kwargs, check_model_config
 from ..shape import head_dim as model_head_dim
 from .blocks import BlockLostError
 
@@ -93,7 +93,7 @@ def prefill(cache, model, input_ids: torch.Tensor, chunk: int | None, save: bool
     out = None
     with torch.no_grad():
         for a in range(start, input_ids.shape[1], step):
-            out = model(input_ids[:, a:a + step], **{cache_kwarg(model): cache, "use_cache": True})
+            out = model(input_ids[:, a:a + step], **cache_kwargs(model, cache))
     logits = out.logits[:, -1].float()
     if save and single:
         try:

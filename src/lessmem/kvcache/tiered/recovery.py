@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from ..cache import check_model_config
+from ..cache import cache_kwargs, check_model_config
 from ..identity import model_fingerprint
 from .blocks import BlockLostError
 
@@ -254,8 +254,6 @@ class Recovery:
 
     def _refeed(self, cache, target: int) -> None:
         """Feed the known ids of ``target..`` the step's start through the model again."""
-        from .cache import cache_kwargs
-
         model, ids = self.model, self.ids
         device = getattr(model, "device", None) or next(model.parameters()).device
         self._nested = True
