@@ -6,15 +6,16 @@ import ast
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from _cases import gguf_rows as _raw
+from _cases import lowbit_case as _lowbit_case
+from _cases import random_gguf_blocks as _random_blocks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import lessmem
-from lessmem.formats.gguf import GGUF_TYPES, quantize_gguf
-from lessmem.formats.packing import pack_bits
+from lessmem.formats.gguf import GGUF_TYPES
 from lessmem.kernels import gguf_linear_cpp, gguf_linear_torch, linear_cpp, linear_torch
 from lessmem.kernels import linear_reference as ref
 from lessmem.kernels.gguf_linear_reference import gguf_linear_ref, gguf_weight_ref
@@ -87,17 +88,6 @@ def test_w8a8_fallback_integer_sums_exact(slices, m, k):
                                ref.w8a8_linear_ref(xq, sx, w, sw), rtol=1e-6, atol=0)
 
 
-def _lowbit_case(bits, n, k, gs, sym, seed):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-    scale = (torch.rand(n, k // gs, generator=g) / 10 + 1e-3).half()
-    if sym:
-        zero = torch.full((n, k // gs), 2 ** (bits - 1), dtype=torch.uint8)
-    else:
-        zero = torch.randint(0, 2**bits, (n, k // gs), dtype=torch.uint8, generator=g)
-    return u, pack_bits(u, bits), scale, zero
-
-
 def test_act16_rounding_matches_oracle_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 256, generator=g) * torch.rand(7, 1, generator=g) * 10
@@ -138,24 +128,6 @@ def test_lowbit_fallback_bias(slices):
 
 
 # ---------------------------------------------------------------- gguf_linear_torch
-
-
-def _raw(t, n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
-    return torch.from_numpy(quantize_gguf(w, t))
-
-
-def _random_blocks(t, n, k, seed):
-    """Random bytes in every field, finite fp16 scales (subnormals and zeros among them)."""
-    gt = GGUF_TYPES[t]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n * k // gt.block_size, gt.type_size), dtype=np.uint8)
-    for off in gt.fp16_offsets:
-        v = rng.uniform(-2, 2, size=blocks.shape[0]).astype(np.float16)
-        v[::7], v[::11] = np.float16(6e-6), 0
-        blocks[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(blocks.reshape(n, -1))
 
 
 @pytest.mark.parametrize("t", TYPES)

@@ -4,9 +4,10 @@ GGUFLinear and apply_gguf on a tiny Llama."""
 
 import copy
 
-import numpy as np
 import pytest
 import torch
+from _cases import gguf_rows as _raw
+from _cases import random_gguf_blocks as _random_blocks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lessmem
@@ -27,25 +28,6 @@ def backend(request, monkeypatch):
     elif not kern.available():
         pytest.skip("no C++ compiler: only the torch fallback runs")
     return request.param
-
-
-def _raw(t, n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of unlike scale
-    return torch.from_numpy(quantize_gguf(w, t))
-
-
-def _random_blocks(t, n, k, seed):
-    """Random bytes for every field (all code bits, scale bits, signs), finite fp16 scales."""
-    gt = GGUF_TYPES[t]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n * k // gt.block_size, gt.type_size), dtype=np.uint8)
-    for off in gt.fp16_offsets:
-        v = rng.uniform(-2, 2, size=blocks.shape[0]).astype(np.float16)
-        v[::7] = np.float16(6e-6)  # a subnormal, and exact zeros, decode like the reference
-        v[::11] = 0
-        blocks[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(blocks.reshape(n, -1))
 
 
 @pytest.mark.parametrize("t", TYPES)

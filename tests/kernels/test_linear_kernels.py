@@ -4,8 +4,8 @@ the torch fallbacks of ``linear_torch`` that ``linear_cpp`` then calls."""
 
 import pytest
 import torch
+from _cases import lowbit_case as _lowbit_case
 
-from lessmem.formats.packing import pack_bits
 from lessmem.kernels import int4_linear as i4
 from lessmem.kernels import linear_cpp
 from lessmem.kernels import linear_reference as ref
@@ -20,17 +20,6 @@ def backend(request, monkeypatch):
     elif not linear_cpp.available():
         pytest.skip("no C++ compiler: only the torch fallback runs")
     return request.param
-
-
-def _lowbit_case(bits, n, k, gs, sym, seed):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-    scale = (torch.rand(n, k // gs, generator=g) / 10 + 1e-3).half()
-    if sym:
-        zero = torch.full((n, k // gs), 2 ** (bits - 1), dtype=torch.uint8)
-    else:
-        zero = torch.randint(0, 2**bits, (n, k // gs), dtype=torch.uint8, generator=g)
-    return u, pack_bits(u, bits), scale, zero
 
 
 def _act16_bound(x, w, gs):

@@ -15,7 +15,6 @@ processes and two load paths.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import warnings
@@ -33,20 +32,6 @@ HERE = Path(__file__).resolve().parent
 torch.set_num_threads(1)  # 2 shared cores
 STEPS = 24
 TOL = 0.05  # int4 cache vs. itself with some tokens recomputed in chunks (measured: < 0.01)
-
-
-def _redis_proc_class():
-    spec = importlib.util.spec_from_file_location("_offload_conftest", HERE.parent / "offload" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.RedisProc
-
-
-@pytest.fixture
-def redis_proc(tmp_path_factory):
-    srv = _redis_proc_class()(tmp_path_factory.mktemp("redis-proc"))
-    yield srv
-    srv.kill()
 
 
 @pytest.fixture(scope="module")
