@@ -12,7 +12,9 @@ environment once, when torch is imported:
 - ``passive``: lessmem imported first (``OMP_WAIT_POLICY=PASSIVE``), torch's default threads;
 - ``spin``: torch imported first with ``OMP_WAIT_POLICY`` unset (libgomp's default, what a
   script that imports torch before lessmem gets), the same threads;
-- ``passive-1t`` (full run only): PASSIVE and ``torch.set_num_threads(1)``.
+- ``passive-1t`` (full run only): PASSIVE and ``torch.set_num_threads(1)``;
+- ``passive-auto`` (full run only): PASSIVE, and before each run no more threads than
+  ``lessmem.base.cpu.free_cores()`` finds idle (what ``lessmem eval``/``generate`` do).
 
 A worker loads the model, prefills ``--context`` tokens into a lessmem ``int4`` cache
 with the fused attention on (so torch's and lessmem's C++ kernels both run), and times
@@ -43,6 +45,9 @@ VARIANTS = {  # name: (OMP_WAIT_POLICY or None for unset, threads or None for to
     "passive": ("PASSIVE", None),
     "spin": (None, None),
     "passive-1t": ("PASSIVE", 1),
+    # what `lessmem eval/generate` do without --threads: no more threads than idle cores,
+    # sampled (lessmem.base.cpu.free_cores) when a run starts
+    "passive-auto": ("PASSIVE", "auto"),
 }
 QUICK_VARIANTS = ("passive", "spin")
 
@@ -65,7 +70,8 @@ def _worker(args) -> None:
         importlib.import_module("lessmem")  # before torch, as the `lessmem` command does
         at_start = os.environ.get("OMP_WAIT_POLICY")
         import torch
-    if threads is not None:
+    default_threads = torch.get_num_threads()
+    if isinstance(threads, int):
         torch.set_num_threads(threads)
     model, ids = _model_and_prompt(args)
     decode = _decoder(model, ids, args.tokens)
@@ -76,7 +82,11 @@ def _worker(args) -> None:
     for line in sys.stdin:
         if line.strip() != "go":
             break
-        print(json.dumps(decode()), flush=True)
+        if threads == "auto":
+            from lessmem.base.cpu import free_cores
+
+            torch.set_num_threads(min(default_threads, free_cores()))
+        print(json.dumps({**decode(), "threads": torch.get_num_threads()}), flush=True)
 
 
 def _model_and_prompt(args):
@@ -221,11 +231,15 @@ def main() -> None:
                context=args.context, tokens=args.tokens, rounds=args.rounds,
                competitor="one Python busy loop")
     res = measure(args)
-    print(f"{'variant':<11} {'policy':<8} {'threads':>7} {'alone tok/s':>12} {'contended':>10} {'ratio':>6}")
+    print(f"{'variant':<12} {'policy':<8} {'threads':>7} {'alone tok/s':>12} {'contended':>10} {'ratio':>6}")
     for n, r in res.items():
-        print(f"{n:<11} {str(r['omp_wait_policy'] or 'unset'):<8} {r['threads']:>7} "
+        threads = "/".join(str(t) for t in sorted({x.get("threads", r["threads"]) for x in
+                                                   r["runs"]["alone"] + r["runs"]["contended"]}))
+        print(f"{n:<12} {str(r['omp_wait_policy'] or 'unset'):<8} {threads:>7} "
               f"{r['alone_tok_s']:>12.1f} {r['contended_tok_s']:>10.1f} {r['contended_vs_alone']:>6.2f}")
     summary = {"contended_vs_alone": res["passive"]["contended_vs_alone"],
+               "auto_threads_contended_vs_alone": (res["passive-auto"]["contended_vs_alone"]
+                                                   if "passive-auto" in res else None),
                "passive_vs_spin_contended": res["passive"]["contended_tok_s"] / res["spin"]["contended_tok_s"],
                "openmp_runtimes": res["passive"]["openmp_runtimes"]}
     print("summary: " + json.dumps(summary))

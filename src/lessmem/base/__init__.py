@@ -7,7 +7,8 @@
 - :mod:`~lessmem.base.placement`: the tiered cache's placement policy, shared with the planner;
 - :mod:`~lessmem.base.corpus`: evaluation and calibration text (the built-in corpus);
 - :mod:`~lessmem.base.paths`: where lessmem caches what it builds or downloads;
-- :mod:`~lessmem.base.lazy`: public names a package resolves on first use.
+- :mod:`~lessmem.base.lazy`: public names a package resolves on first use;
+- :mod:`~lessmem.base.cpu`: how many cores other work leaves idle (thread counts under load).
 
 Nothing here imports torch, numpy or any other lessmem package: ``base`` is imported by
 every layer and imports none of them (``tests/test_layers.py`` checks the import graph).

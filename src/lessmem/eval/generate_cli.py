@@ -16,6 +16,9 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
+
 from lessmem import _cli_types as T
 from lessmem._cli_model import check_model, peek_model
 from lessmem.base.units import fmt_bytes
@@ -77,11 +80,25 @@ def offload_spec(args, spec):
 
 
 def set_threads(n: int | None) -> None:
-    """``torch.set_num_threads(n)`` when ``--threads`` was given."""
-    if n is not None:
-        import torch
+    """``torch.set_num_threads(n)`` when ``--threads`` was given. Otherwise, unless
+    ``OMP_NUM_THREADS`` chooses, no more threads than the cores other work leaves idle
+    (:func:`lessmem.base.cpu.free_cores`: more threads than free cores make every parallel
+    region wait for a parked thread), said in one line on stderr when that is fewer."""
+    import torch
 
+    if n is not None:
         torch.set_num_threads(n)
+        return
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    from lessmem.base.cpu import free_cores, usable_cores
+
+    free = free_cores()
+    if free < torch.get_num_threads():
+        print(f"[lessmem] other work keeps {usable_cores() - free} of {usable_cores()} cores busy: "
+              f"using {free} thread{'s' if free > 1 else ''} (--threads or OMP_NUM_THREADS to choose)",
+              file=sys.stderr)
+        torch.set_num_threads(free)
 
 
 def load_model(name: str, **kw):

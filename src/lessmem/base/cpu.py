@@ -1,0 +1,62 @@
+"""How many of this process's cores other work leaves free (Linux ``/proc/stat``).
+
+Fork-join parallel code (torch's intra-op threads, OpenMP) collapses when it has more
+threads than free cores: each parallel region ends at a barrier, and a thread the
+scheduler has parked behind another process makes every region wait a whole time slice.
+Measured here (``benchmarks/bench_contention.py``): a 2-thread decode beside one busy
+process ran at 0.04x its speed alone, a 1-thread one at 0.99x. :func:`free_cores` samples
+the machine's idle time over a short interval so a caller can use no more threads than
+there are idle cores.
+
+Example:
+    >>> 1 <= free_cores(0.01) <= usable_cores()
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all CPUs since boot, or None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return values[3] + values[4], sum(values)
+
+
+def idle_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The machine's idle share between two ``(idle, total)`` samples (1.0: nothing ran)."""
+    idle, total = after[0] - before[0], after[1] - before[1]
+    return 1.0 if total <= 0 else min(1.0, max(0.0, idle / total))
+
+
+def free_cores(sample_s: float = 0.1) -> int:
+    """Usable cores left idle by other work over ``sample_s`` seconds (at least 1; all of
+    them where the machine's idle time cannot be read)."""
+    cores = usable_cores()
+    first = _cpu_times()
+    if first is None:
+        return cores
+    time.sleep(sample_s)
+    second = _cpu_times()
+    if second is None:
+        return cores
+    machine = os.cpu_count() or cores
+    busy = machine * (1.0 - idle_share(first, second))  # cores' worth of other work
+    return max(1, min(cores, int(machine - busy + 0.35)))  # a core counts free at >= 65% idle
