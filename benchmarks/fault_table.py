@@ -2,8 +2,8 @@
 
 Every trial injects one fault into a real store (block files on disk, a real
 redis-server, a writer process killed with SIGKILL) or into a tiered KV cache in the
-middle of a run (tiny random llama, int4, 32-token blocks, 150-token prompt, greedy
-decode), and records:
+middle of a run (tiny random llama, int4, 32-token blocks, 150-token prompt, then the
+undisturbed run's tokens fed one at a time), and records:
 
 - ``detected``: the fault was noticed where it matters: a damaged block was refused (a
   miss, counted as corrupt), the cache recomputed lost blocks (``recoveries``), refused
@@ -12,8 +12,10 @@ decode), and records:
   block;
 - ``lost``: something acknowledged was lost or something wrong was returned: a damaged
   block's bytes returned as data, an acknowledged block missing or different after a
-  kill, or a run whose tokens differ from an undisturbed run's or whose logits are off
-  by more than the int4 cache's own tolerance (``TOL``);
+  kill, or a run whose logits, fed the undisturbed run's tokens (teacher forcing), are
+  off by more than the int4 cache's own tolerance (``TOL``) on some step;
+- ``token_flips``: runs whose own greedy pick differed from the undisturbed run's at some
+  step (recomputed tokens are new K/V of the same tokens: a near tie can move);
 - ``crashed``: the run raised instead of completing.
 
 The faults: damaged block files of every kind (flipped byte at a random offset,
@@ -36,7 +38,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "kvcache"))  # _gen: model, prompt, greedy decode
+sys.path.insert(0, str(HERE.parent / "tests"))  # _redis: a private redis-server
 
 import torch  # noqa: E402
 from common import header, parser, write_result  # noqa: E402
@@ -54,8 +56,10 @@ from common import header, parser, write_result  # noqa: E402
 torch.set_num_threads(1)
 
 import _gen  # noqa: E402
+from _redis import RedisProc  # noqa: E402
 
 from lessmem.kvcache import KVCache  # noqa: E402
+from lessmem.kvcache.cache import cache_kwargs  # noqa: E402
 from lessmem.kvcache.tiered import TieredKVCache  # noqa: E402
 from lessmem.offload import DiskTier, HostTier  # noqa: E402
 
@@ -65,56 +69,20 @@ TOL = 0.05  # the int4 cache vs. itself with tokens recomputed in chunks (measur
 DAMAGES = ("flip", "truncate", "empty", "extend", "swap", "zero", "missing")
 
 
-# ---- a redis-server of our own ----------------------------------------------------------
+# ---- a redis-server of our own (tests/_redis.py) -----------------------------------------
 
-class Redis:
-    """A private redis-server on a free port: ``start(*options)``, ``kill()`` (-9)."""
+def fill(url: str, mb: int) -> None:
+    """Another tenant writes ``mb`` MB of newer values (evicts under allkeys-lru)."""
+    import redis
 
-    def __init__(self, root: Path):
-        self.exe = shutil.which("redis-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.root, self.proc = root, None
-        root.mkdir(parents=True, exist_ok=True)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, *options: str) -> Redis:
-        import redis
-
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-                                      str(self.root), "--save", "", "--appendonly", "no", *options],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        for _ in range(500):
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.01)
-        else:
-            self.kill()
-            raise RuntimeError(f"redis-server did not start on port {self.port}")
-        client.close()
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def fill(self, mb: int) -> None:
-        """Another tenant writes ``mb`` MB of newer values (evicts under allkeys-lru)."""
-        import redis
-
-        client = redis.Redis.from_url(self.url)
-        for size in (100_000, 10_000, 1_000, 100):  # under noeviction: pack it full to the last byte
-            try:
-                for i in range(mb * 1_000_000 // size):
-                    client.set(f"junk:{size}:{i}", b"x" * size)
-            except redis.exceptions.ResponseError:
-                continue  # full at this size: smaller values fill what is left
-        client.close()
+    client = redis.Redis.from_url(url)
+    for size in (100_000, 10_000, 1_000, 100):  # under noeviction: pack it full to the last byte
+        try:
+            for i in range(mb * 1_000_000 // size):
+                client.set(f"junk:{size}:{i}", b"x" * size)
+        except redis.exceptions.ResponseError:
+            continue  # full at this size: smaller values fill what is left
+    client.close()
 
 
 # ---- damaged block files and kill -9 (the disk tier itself) ----------------------------
@@ -197,17 +165,29 @@ class Run:
                              model=self.model, **kw)
 
     def decode(self, cache, logits, fault=None, at: int = 0) -> tuple[list, list]:
-        n = {"i": 0}
-
-        def check():
-            n["i"] += 1
-            if n["i"] == at and fault is not None:
-                fault()
-        return _gen.decode(self.model, cache, logits, STEPS, check=check)
+        """Teacher-forced: feed the undisturbed run's tokens (``fault()`` after step ``at``),
+        so every step's logits compare with that run's on the same input; returns this
+        run's own greedy picks and its logits."""
+        toks, all_logits = [], [logits]
+        with torch.no_grad():
+            for i, t in enumerate(self.toks):
+                toks.append(int(logits.argmax(-1)[0]))
+                out = self.model(torch.tensor([[t]]), **cache_kwargs(self.model, cache))
+                logits = out.logits[:, -1].float()
+                all_logits.append(logits)
+                if i + 1 == at and fault is not None:
+                    fault()
+        return toks, all_logits
 
     def wrong(self, toks, logits) -> bool:
+        """Logits off by more than the int4 cache's own tolerance on some step."""
         worst = max((a - b).abs().max().item() for a, b in zip(logits, self.logits, strict=True))
-        return toks != self.toks or worst > TOL
+        return worst > TOL
+
+    def flips(self, toks) -> bool:
+        """A greedy pick differs from the undisturbed run's (a near tie moved by a
+        recomputation's new K/V of the same tokens; counted, not a loss by itself)."""
+        return toks != self.toks
 
 
 def _cache_trial(run: Run, make, fault, detected, rng: random.Random) -> dict:
@@ -218,7 +198,8 @@ def _cache_trial(run: Run, make, fault, detected, rng: random.Random) -> dict:
             warnings.simplefilter("ignore")
             logits = cache.prefill(run.model, run.ids, save=False)
             toks, all_logits = run.decode(cache, logits, fault, at=rng.randrange(1, STEPS))
-        return {"detected": bool(detected(cache)), "lost": run.wrong(toks, all_logits)}
+        return {"detected": bool(detected(cache)), "lost": run.wrong(toks, all_logits),
+                "token_flips": run.flips(toks)}
     except Exception as e:  # noqa: BLE001 - a crash is recorded, not hidden
         return {"detected": True, "lost": False, "crashed": f"{type(e).__name__}: {e}"[:300]}
     finally:
@@ -236,7 +217,7 @@ def _blocks(root: Path) -> list[Path]:
 def redis_trials(run: Run, rng: random.Random, root: Path) -> dict:
     """Each Redis fault once, on a fresh server."""
     out = {}
-    srv = Redis(root)
+    srv = RedisProc(root)
     try:
         out["redis killed mid-decode"] = _cache_trial(
             run, lambda: run.cache(srv.start().url), srv.kill, _recovered, rng)
@@ -250,11 +231,11 @@ def redis_trials(run: Run, rng: random.Random, root: Path) -> dict:
         srv.kill()
         out["redis evicting (maxmemory, allkeys-lru)"] = _cache_trial(
             run, lambda: run.cache(srv.start("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru").url),
-            lambda: srv.fill(8), _recovered, rng)
+            lambda: fill(srv.url, 8), _recovered, rng)
         srv.kill()
         def full_server():  # another tenant filled it before the run: every write is refused (OOM)
             srv.start("--maxmemory", "2mb")
-            srv.fill(4)
+            fill(srv.url, 4)
             return run.cache(f"host@4KiB,{srv.url}")
         out["redis full (maxmemory, noeviction)"] = _cache_trial(
             run, full_server, None,
@@ -307,7 +288,7 @@ def _corrupt_after_restore(run: Run, rng: random.Random, d: Path) -> dict:
             if restored is None:
                 return {"detected": False, "lost": False, "crashed": "the saved prefix was not restored"}
             toks, logits = run.decode(b, saved, corrupt, at=rng.randrange(1, STEPS))
-        return {"detected": _recovered(b), "lost": run.wrong(toks, logits)}
+        return {"detected": _recovered(b), "lost": run.wrong(toks, logits), "token_flips": run.flips(toks)}
     except Exception as e:  # noqa: BLE001
         return {"detected": True, "lost": False, "crashed": f"{type(e).__name__}: {e}"[:300]}
     finally:
@@ -346,8 +327,10 @@ def trial_other_model(run: Run, which: str, root: Path) -> dict:
 # ---- the table ---------------------------------------------------------------------------
 
 def add(table: dict, name: str, r: dict) -> None:
-    row = table.setdefault(name, {"trials": 0, "detected": 0, "lost": 0, "crashed": 0, "errors": []})
+    row = table.setdefault(name, {"trials": 0, "detected": 0, "lost": 0, "token_flips": 0, "crashed": 0,
+                                  "errors": []})
     row["trials"] += 1
+    row["token_flips"] += bool(r.get("token_flips"))
     row["detected"] += bool(r["detected"])
     row["lost"] += bool(r["lost"])
     if r.get("crashed"):
@@ -384,7 +367,7 @@ def main() -> None:
             add(table, "prefix restored into a different model", trial_other_model(run, which, tmp / f"id{i}"))
     for name, row in table.items():
         print(f"{name:45s} trials {row['trials']:4d}  detected {row['detected']:4d}  lost {row['lost']:3d}"
-              f"  crashed {row['crashed']:3d}")
+              f"  crashed {row['crashed']:3d}  token flips {row['token_flips']:3d}")
     total_lost = sum(r["lost"] for r in table.values())
     data = {"header": header(trials=n, steps=STEPS, tol=TOL, model="tiny random llama (4 layers), int4, "
                                                             "32-token blocks"),
