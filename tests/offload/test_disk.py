@@ -1,14 +1,12 @@
 import errno
 import os
-import signal
-import subprocess
-import sys
 import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from _kill import kill_writer
 
 from lessmem.formats import PerGroup, quantize
 from lessmem.offload import DiskTier, TierFullError
@@ -94,16 +92,7 @@ def test_disk_full_leaves_no_partial_block(tmp_path, monkeypatch):
 
 
 def test_kill_9_during_writes_loses_nothing_reported(tmp_path):
-    writer = Path(__file__).with_name("_writer.py")
-    p = subprocess.Popen([sys.executable, str(writer), str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    reported = []
-    for line in p.stdout:
-        reported.append(line.strip())
-        if len(reported) >= 25:
-            break
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    reported += [ln.strip() for ln in p.stdout.read().splitlines() if ln.strip()]
+    reported = kill_writer(tmp_path)
     # the writer was killed mid-stream: a temp file of a dead pid may remain, never a .blk
     t = DiskTier(tmp_path)  # reopening removes temp files of dead writers
     assert not list((tmp_path / "blocks").glob(disk_mod.TEMP_PREFIX + "*"))

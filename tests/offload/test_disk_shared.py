@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kill import kill_writer
 
 from lessmem.offload import DiskTier, TierFullError
 from lessmem.offload import disk as disk_mod
@@ -158,16 +159,7 @@ def test_put_async_errors_reach_the_future_and_flush_waits(tmp_path):
 
 
 def test_kill_9_during_async_writes_loses_nothing_acknowledged(tmp_path):
-    p = subprocess.Popen([sys.executable, str(HERE / "_writer.py"), str(tmp_path), "async"],
-                         stdout=subprocess.PIPE, text=True)
-    reported = []
-    for line in p.stdout:
-        reported.append(line.strip())
-        if len(reported) >= 25:
-            break
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    reported += [ln.strip() for ln in p.stdout.read().splitlines() if ln.strip()]
+    reported = kill_writer(tmp_path, "async")
     t = DiskTier(tmp_path)
     assert not list((tmp_path / "blocks").glob(disk_mod.TEMP_PREFIX + "*"))
     for key in reported:
