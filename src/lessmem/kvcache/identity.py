@@ -50,8 +50,11 @@ def _tensors(model: torch.nn.Module):
 
 
 def _state(model: torch.nn.Module) -> tuple:
-    """What the memo is valid for: which tensors are held, and their version counters."""
-    return tuple((name, id(t), t._version) for name, t in _tensors(model))
+    """What the memo is valid for: which tensors are held (object, storage, dtype, device,
+    shape) and their version counters. ``model.to(dtype)`` keeps the Parameter objects and
+    their versions but changes storage and dtype, so all of these count."""
+    return tuple((name, id(t), t.data_ptr(), t.dtype, t.device, tuple(t.shape), t._version)
+                 for name, t in _tensors(model))
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -70,6 +73,11 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model_fingerprint needs a torch.nn.Module, got {type(model).__name__}")
+    meta = [name for name, t in _tensors(model) if t.device.type == "meta"]
+    if meta:
+        raise TypeError(f"model_fingerprint needs the weights held, but {meta[0]} (and {len(meta) - 1} "
+                        "more) is on the meta device (offloaded or not loaded); allowed: a model whose "
+                        "tensors are materialized, or pass model_id='<id of these weights>' to the cache")
     state = _state(model)
     memo = getattr(model, _MEMO_ATTR, None)
     if memo is not None and memo[0] == state:

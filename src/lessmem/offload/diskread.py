@@ -33,8 +33,9 @@ class BatchReads:
         reports corruption). The batched blocks of one call are views of one reused buffer:
         holding any of them keeps that whole buffer; ``clone()`` a block to keep it long."""
         with self._lock:  # (keys it holds were checked when stored; get checks the others)
-            known = [(i, k, self._headers[k]) for i, k in enumerate(keys)
-                     if isinstance(k, str) and k in self._headers]
+            known = [(i, k, self._headers[k]) for i, k in enumerate(keys)  # a newer put_async
+                     if isinstance(k, str) and k in self._headers                # still pending:
+                     and self._behind.pending(k) is None]                       # get serves it
         out: list[dict | None] = [None] * len(keys)
         done = set()
         if known and fastread.available():

@@ -166,13 +166,18 @@ class TieredKVLayer(QuantizedKVLayer):
         key = self.tiers.store.key(self.layer_idx, len(self.sealed))
         self.sealed.add(key, head)
         self.tiers.account.changed()
-        self.tiers.account.rebalance()
-        if self.tiers.store.put(key, head) is not None:
-            return True
-        self.sealed.add(key, head, sign=-1)  # nothing was stored: no key is recorded
-        self.pending, self.n_pending = before
-        self.tiers.account.changed()
-        return False
+        try:
+            self.tiers.account.rebalance()
+            stored = self.tiers.store.put(key, head) is not None
+        except BaseException:  # e.g. an OSError from a tier: undo, nothing is lost, then report it
+            stored = False
+            raise
+        finally:
+            if not stored:
+                self.sealed.add(key, head, sign=-1)  # nothing was stored: no key is recorded
+                self.pending, self.n_pending = before
+                self.tiers.account.changed()
+        return stored
 
     def pending_parts(self, pending: dict | None) -> list[dict]:
         """``pending`` (this layer's partial block, as read) as parts of at most

@@ -127,8 +127,10 @@ class Prefetcher:
         handle = self._gathers.pop(layer_idx, None)
         if handle is None:
             return None
-        out = handle.result()
-        return out if handle.tag == tag else None
+        if handle.tag != tag:  # stale: the layer changed since; its failure (if any) is moot
+            handle.future.exception()
+            return None
+        return handle.result()
 
     def in_flight_bytes(self) -> int:
         return sum(h.nbytes for h in self._gathers.values())
