@@ -178,6 +178,9 @@ def write_atomic(path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp made it 0600; a plain write would not
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

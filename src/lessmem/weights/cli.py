@@ -171,11 +171,20 @@ def _fresh(out: Path):
         return out, None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    return (tmp / out.name if out.suffix == ".gguf" else tmp), tmp
+    return (tmp / out.name if out.suffix.lower() == ".gguf" else tmp), tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _commit(out: Path, written: Path, tmp: Path | None) -> None:
+    """Rename the finished output into place with the modes a plain write would have given
+    (mkdtemp/mkstemp create 0700/0600)."""
     if tmp is not None:
+        os.chmod(written, (0o777 if written.is_dir() else 0o666) & ~_umask())
         os.replace(written, out)
         shutil.rmtree(tmp, ignore_errors=True)
 
