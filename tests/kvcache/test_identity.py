@@ -1,5 +1,6 @@
 """model_fingerprint: equal weights -> equal id wherever they came from; any change -> new id."""
 
+import pytest
 import torch
 
 import lessmem
@@ -40,3 +41,17 @@ def test_config_path_does_not_matter():
     a, b = tiny_random("llama", seed=3), tiny_random("llama", seed=3)
     a.config._name_or_path, b.config._name_or_path = "/home/x/cache/m", "/srv/y/m"
     assert model_fingerprint(a) == model_fingerprint(b)
+
+
+def test_casting_the_same_model_changes_the_id():
+    m = tiny_random("llama", seed=4)
+    before = model_fingerprint(m)
+    m.to(torch.bfloat16)  # same Parameter objects and versions, new storage and dtype
+    assert model_fingerprint(m) != before
+
+
+def test_meta_tensors_are_refused_by_name():
+    with torch.device("meta"):
+        m = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="meta device"):
+        model_fingerprint(m)
