@@ -37,8 +37,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "kvcache"))  # _gen: model, prompt, greedy decode
 sys.path.insert(0, str(HERE.parent / "tests"))  # _redis: a private redis-server
+sys.path.insert(0, str(HERE.parent / "tests" / "offload"))  # _kill: kill -9 a block writer
 
 import torch  # noqa: E402
 from common import header, parser, write_result  # noqa: E402
@@ -56,6 +55,7 @@ from common import header, parser, write_result  # noqa: E402
 torch.set_num_threads(1)
 
 import _gen  # noqa: E402
+from _kill import kill_writer  # noqa: E402
 from _redis import RedisProc  # noqa: E402
 
 from lessmem.kvcache import KVCache  # noqa: E402
@@ -63,7 +63,6 @@ from lessmem.kvcache.cache import cache_kwargs  # noqa: E402
 from lessmem.kvcache.tiered import TieredKVCache  # noqa: E402
 from lessmem.offload import DiskTier, HostTier  # noqa: E402
 
-WRITER = HERE.parent / "tests" / "offload" / "_writer.py"
 STEPS = 16
 TOL = 0.05  # the int4 cache vs. itself with tokens recomputed in chunks (measured: < 0.01)
 DAMAGES = ("flip", "truncate", "empty", "extend", "swap", "zero", "missing")
@@ -128,15 +127,7 @@ def trial_damaged(how: str, rng: random.Random, root: Path, via_many: bool) -> d
 
 
 def trial_kill9(rng: random.Random, root: Path) -> dict:
-    p = subprocess.Popen([sys.executable, str(WRITER), str(root)], stdout=subprocess.PIPE, text=True)
-    acked, want = [], rng.randrange(5, 40)
-    for line in p.stdout:
-        acked.append(line.strip())
-        if len(acked) >= want:
-            break
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    acked += [ln.strip() for ln in p.stdout.read().splitlines() if ln.strip()]
+    acked = kill_writer(root, after=rng.randrange(5, 40))
     t = DiskTier(root)  # reopening removes the dead writer's temp files
     lost = 0
     for key in acked:
