@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .gguf_legacy import _fp16_bytes
+from .gguf_legacy import fp16_at as _fp16_at
 from .gguf_search import GROUP_MAX_EPS, _rint, _seqsum, make_q3, make_qkx2, make_qp, make_qx
 
 F32 = np.float32
@@ -32,15 +34,6 @@ def _fp16(v: np.ndarray) -> np.ndarray:
     """Round float32 to fp16 and back (the stored value)."""
     with np.errstate(over="ignore"):
         return v.astype(np.float16).astype(F32)
-
-
-def _fp16_bytes(v: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # overflow is reported by quantize_gguf
-        return v.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def _fp16_at(r: np.ndarray, off: int) -> np.ndarray:
-    return np.ascontiguousarray(r[:, off:off + 2]).view(np.float16).astype(F32)
 
 
 def _first_absmax(x: np.ndarray):

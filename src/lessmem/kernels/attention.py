@@ -79,18 +79,6 @@ class QuantSide:
         return self.layout.token_group
 
     @property
-    def dg(self) -> int:
-        return self.layout.channel_group
-
-    @property
-    def zero_const(self) -> float:
-        return self.layout.zero_const
-
-    @property
-    def lut(self) -> torch.Tensor | None:
-        return self.layout.lut(self.codes.device)
-
-    @property
     def n_tokens(self) -> int:
         return self.codes.shape[2]
 

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 
-from .blockdir import TEMP_PREFIX, BlockDir  # noqa: F401  (TEMP_PREFIX: for tests and tools)
+from .blockdir import TEMP_PREFIX, BlockDir, _unlink  # noqa: F401  (TEMP_PREFIX: for tests and tools)
 from .diskread import BatchReads
 from .serialize import CorruptBlockError, pack_block, unpack_block
 from .tier import Tier, TierFullError, check_key
@@ -299,8 +299,3 @@ class DiskTier(BatchReads, Tier):
         self.store.close()
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

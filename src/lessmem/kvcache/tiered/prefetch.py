@@ -21,13 +21,14 @@ the consumer waited (``late``, ``late_seconds``): the prefetch lateness.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ...base.cpu import usable_cores
 
 PREFETCH_CHOICES = (True, False, None, "auto", "gather", "hint")
 
@@ -69,14 +70,6 @@ class PrefetchHandle:
         return out
 
 
-def _free_core() -> bool:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return cores > torch.get_num_threads()
-
-
 def check_prefetch(prefetch) -> None:
     """ValueError unless ``prefetch`` is one of the choices in the module doc."""
     if not any(prefetch is c or (isinstance(c, str) and prefetch == c) for c in PREFETCH_CHOICES):
@@ -107,8 +100,8 @@ class Prefetcher:
         """What it does now: "gather", "hint" or None."""
         if self.requested != "auto":
             return self.requested
-        if _free_core() or any(t.kind == "remote" for t in self.lower):
-            return "gather"
+        if usable_cores() > torch.get_num_threads() or any(t.kind == "remote" for t in self.lower):
+            return "gather"  # (asked at each read: the affinity and threads may change)
         return "hint"
 
     # ---- "gather" ------------------------------------------------------------------------

@@ -139,9 +139,10 @@ class Recovery:
         self._step_len = n = cache.get_seq_length()
         incoming, self._incoming = self._incoming, None
         if len(self.ids) >= n and incoming is not None and len(incoming) == q:
-            self.ids = self.ids[:n] + incoming
+            del self.ids[n:]  # (in place: a decode step does not copy the whole context)
+            self.ids.extend(incoming)
         elif len(self.ids) < n + q:  # fed without known ids: what follows is unknown
-            self.ids = self.ids[:n]
+            del self.ids[n:]
         self._stashing = self._can_recover(cache) is None
 
     # ---- the update path --------------------------------------------------------------
