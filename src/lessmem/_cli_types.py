@@ -332,13 +332,15 @@ def text_file_problem(p: Path) -> str | None:
 
 
 def text_source(text: str) -> str:
-    """``pydoc``, ``wikitext2`` or a text file (:func:`text_file`); returns the text as given."""
-    if text in ("pydoc", "wikitext2"):
+    """A built-in text (``pydoc``, ``wikitext2``) or a text file; returns the text as given."""
+    from lessmem.base.corpus import BUILTIN_TEXTS
+
+    if text in BUILTIN_TEXTS:
         return text
-    p = Path(text).expanduser()
-    why = "neither pydoc, wikitext2 nor an existing file" if not p.is_file() else text_file_problem(p)
+    names, p = ", ".join(BUILTIN_TEXTS), Path(text).expanduser()
+    why = f"neither {names} nor an existing file" if not p.is_file() else text_file_problem(p)
     if why:
-        raise bad(text, f"{why}; allowed: pydoc, wikitext2 or a non-empty UTF-8 text file")
+        raise bad(text, f"{why}; allowed: {names} or a non-empty UTF-8 text file")
     return text
 
 

@@ -28,6 +28,7 @@ import sys
 
 from lessmem import _cli_types as T
 from lessmem._cli_model import check_model, peek_model
+from lessmem._console import publish
 
 HELP = "measure perplexity, KLD, retrieval, bytes and speed of KV caches"
 
@@ -178,10 +179,7 @@ def write_atomic(path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp made it 0600; a plain write would not
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise

@@ -17,7 +17,6 @@ as JSON instead of a table.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from lessmem import _cli_types as T
 from lessmem._cli_model import check_model, peek_model
+from lessmem._console import publish
 
 HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, GGUF)"
 METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant")
@@ -174,19 +174,10 @@ def _fresh(out: Path):
     return (tmp / out.name if out.suffix.lower() == ".gguf" else tmp), tmp
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _commit(out: Path, written: Path, tmp: Path | None) -> None:
-    """Rename the finished output into place with the modes a plain write would have given
-    (mkdtemp/mkstemp create 0700/0600)."""
+    """The finished output into place (the caller removes ``tmp`` whatever happens)."""
     if tmp is not None:
-        os.chmod(written, (0o777 if written.is_dir() else 0o666) & ~_umask())
-        os.replace(written, out)
-        shutil.rmtree(tmp, ignore_errors=True)
+        publish(written, out)
 
 
 def _group_counts(model) -> dict:
