@@ -252,6 +252,21 @@ def check_contention(data: dict, fresh: bool) -> None:
     assert need(s, "openmp_runtimes", int, "summary") >= 1
 
 
+def check_first_run(data: dict, fresh: bool) -> None:
+    check_header(data)
+    need(data["header"], "command", str, "header")
+    for cond in ("quiet", "contended"):
+        c = need(data, cond, dict, "result")
+        positive(c, "wall_s", cond)
+        positive(c, "cpu_s", cond)
+        runs = need(c, "runs", list, cond)
+        assert runs, f"{cond}: no runs"
+        for r in runs:
+            assert need(r, "stage_lines", int, cond) > 0, f"{cond}: no progress lines on stderr"
+            assert need(r, "table_rows", int, cond) > 0, f"{cond}: no table on stdout"
+    positive(data, "contended_vs_quiet_wall", "result")
+
+
 CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_formats.py": check_formats,
     "bench_gguf_linear.py": check_gguf_linear,
@@ -261,6 +276,7 @@ CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_weights_quality.py": check_weights_quality,
     "bench_kv_quality.py": check_kv_quality,
     "bench_contention.py": check_contention,
+    "bench_first_run.py": check_first_run,
 }
 RECORDED = {  # recorded full-run result -> its benchmark
     "bench_formats.json": "bench_formats.py",
@@ -269,11 +285,16 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "kv_decode.json": "bench_kv_decode.py",
     "offload.json": "bench_offload.py",
     "offload_b1024.json": "bench_offload.py",
+    "offload_run2.json": "bench_offload.py",
+    "kv_decode_before_restructure.json": "bench_kv_decode.py",  # commit 180c82e, run beside the above
+    "offload_before_restructure.json": "bench_offload.py",
+    "offload_before_restructure_run2.json": "bench_offload.py",
     "bench_weights_quality_smollm2-135m.json": "bench_weights_quality.py",
     "bench_weights_quality_wiki-byte-llama.json": "bench_weights_quality.py",
     "bench_kv_quality.json": "bench_kv_quality.py",
     "bench_kv_quality_16w.json": "bench_kv_quality.py",
     "bench_contention.json": "bench_contention.py",
+    "bench_first_run.json": "bench_first_run.py",
 }
 
 

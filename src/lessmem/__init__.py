@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads that wait for work sleep instead of spinning. torch and lessmem's C++
-# kernels share one OpenMP runtime (libgomp), which reads this once, when torch is first
-# imported; by default its idle threads spin for a while, and on a machine where other
-# processes compete for the cores those spinning threads take the cores the working
-# threads need (measured here: decode at 11 tok/s with spinning vs 120 with PASSIVE, two
-# busy cores). Effective when lessmem is imported before torch (the `lessmem` command
+# OpenMP threads that wait for work sleep instead of spinning. The OpenMP runtime reads
+# this once, when torch is first imported; by default its idle threads spin for a while,
+# taking cores that other processes' work needs (beside one busy process, PASSIVE decoded
+# 1.34x as fast as spinning: benchmarks/results/bench_contention.json; what keeps decode
+# from collapsing there is fewer threads, lessmem.base.cpu). Effective when lessmem is
+# imported before torch (the `lessmem` command
 # always is); otherwise set OMP_WAIT_POLICY=PASSIVE in the environment. An explicit
 # setting (e.g. ACTIVE on a dedicated machine) is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -3,8 +3,8 @@
 Fork-join parallel code (torch's intra-op threads, OpenMP) collapses when it has more
 threads than free cores: each parallel region ends at a barrier, and a thread the
 scheduler has parked behind another process makes every region wait a whole time slice.
-Measured here (``benchmarks/bench_contention.py``): a 2-thread decode beside one busy
-process ran at 0.04x its speed alone, a 1-thread one at 0.99x. :func:`free_cores` samples
+Measured here (``benchmarks/results/bench_contention.json``): a 2-thread decode beside
+one busy process ran at 0.08x its speed alone, a 1-thread one at 0.98x. :func:`free_cores` samples
 the machine's idle time over a short interval so a caller can use no more threads than
 there are idle cores.
 
