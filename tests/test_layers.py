@@ -31,6 +31,7 @@ LAYERS = {
     "models": 5,      # loading models (uses weights for GGUF files)
     "plan": 6,        # arithmetic on paper (imports base only; torch-free)
     "eval": 7,        # measurement over everything below
+    "serve": 7,       # the serving engine and server (a sibling of eval: neither imports the other)
     "facade": 8,      # ``lessmem/__init__``: public names resolved lazily (strings, no arrows)
     "cli": 9,         # the command line
 }
