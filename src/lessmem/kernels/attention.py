@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ..formats.kvlayout import KVLayout
-from . import attention_cpp
+from . import attention_cpp, ops
 from .attention_cpp import PACKING_IDS
 from .attention_torch import torch_attention
 
@@ -204,11 +205,23 @@ def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None 
         raise ValueError(f"query heads {Hq} must be a multiple of the KV heads {Hkv}")
     T = kv.n_tokens
     if T == 0:
-        return torch.zeros(B, Hq, Tq, D), torch.full((B, Hq, Tq), float("-inf"))
+        return (torch.zeros(B, Hq, Tq, D, device=q.device),
+                torch.full((B, Hq, Tq), float("-inf"), device=q.device))
     if mask is not None:
         mask = mask.float().contiguous()
         if tuple(mask.shape) != (B, Tq, T):
             raise ValueError(f"mask must be [B, Tq, T] = {(B, Tq, T)}, got {tuple(mask.shape)}")
+    if (q.device.type != "cpu" and use_cpp is None) or torch.compiler.is_compiling():
+        # the torch op: its device's backend (CUDA: Triton), traceable by torch.compile. CPU in
+        # eager mode runs the CPU backend's code below directly: the dispatcher costs ~9 us a
+        # call (0.3 ms a token over 30 layers), and the CPU decode must not get slower
+        return ops.quantized_attention_op(q, kv, mask)
+    return _cpu_attention(q, kv, mask, use_cpp)
+
+
+def _cpu_attention(q, kv, mask, use_cpp):
+    """The CPU backend: the C++ kernel, or the torch fallback (``mask`` checked, float32)."""
+    B, Hkv, T = q.shape[0], kv.n_kv_heads, kv.n_tokens
     if use_cpp is None:
         use_cpp = q.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1"
     mod = _module() if use_cpp and q.device.type == "cpu" else None
@@ -219,6 +232,50 @@ def quantized_attention(q: torch.Tensor, kv: QuantKV, mask: torch.Tensor | None 
     out, _, lse = mod.qattn_forward(q.float().contiguous(), *_kernel_history(kv), m, _n_split(B, Hkv, T),
                                     e, e, e, e, False)
     return out, lse
+
+
+def _history_of(k_codes, k_scale, k_zero_point, k_layout, v_codes, v_scale, v_zero_point, v_layout, seg):
+    """The QuantKV / SegmentedKV behind the op's arguments (the parts are not copied)."""
+    kl, vl = ops.layout_of(k_layout), ops.layout_of(v_layout)
+    kp, vp = ops.parts(k_codes, k_scale, k_zero_point), ops.parts(v_codes, v_scale, v_zero_point)
+    if len(kp) == 1 and len(vp) == 1 and not seg:
+        return QuantKV(QuantSide(*kp[0], kl), QuantSide(*vp[0], vl))
+    return SegmentedKV(QuantSide(*kp[0], kl), QuantSide(*vp[0], vl), tuple(kp), tuple(vp), seg)
+
+
+def _check_op(q, kv, mask):
+    if q.dim() != 4 or q.shape[1] % kv.n_kv_heads:
+        raise ValueError(f"q of shape {tuple(q.shape)}; allowed: [B, Hq, Tq, D] with Hq a multiple of the "
+                         f"KV heads {kv.n_kv_heads}")
+    want = (q.shape[0], q.shape[2], kv.n_tokens)
+    if mask is not None and tuple(mask.shape) != want:
+        raise ValueError(f"mask must be [B, Tq, T] = {want}, got {tuple(mask.shape)}")
+    return mask.float().contiguous() if mask is not None else None
+
+
+def _cpu_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, v_zero_point, v_lut,
+                 v_layout, mask, seg):
+    kv = _history_of(k_codes, k_scale, k_zero_point, k_layout, v_codes, v_scale, v_zero_point, v_layout, seg)
+    return _cpu_attention(q, kv, _check_op(q, kv, mask), None)
+
+
+_warned_devices: set = set()
+
+
+def _fallback_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, v_zero_point,
+                      v_lut, v_layout, mask, seg):
+    """Devices without a backend of their own (and CUDA without triton): the torch fallback."""
+    if q.device.type not in _warned_devices:
+        _warned_devices.add(q.device.type)
+        hint = " (pip install 'lessmem[gpu]' for the Triton kernel)" if q.device.type == "cuda" else ""
+        warnings.warn(f"lessmem: no quantized-attention kernel for {q.device.type} tensors{hint}; using the "
+                      "torch fallback (kernels.attention_torch, the slow path)", RuntimeWarning, stacklevel=2)
+    kv = _history_of(k_codes, k_scale, k_zero_point, k_layout, v_codes, v_scale, v_zero_point, v_layout, seg)
+    return torch_attention(q, kv, _check_op(q, kv, mask))
+
+
+ops.LIB.impl("quantized_attention", _cpu_backend, "CPU")
+ops.LIB.impl("quantized_attention", _fallback_backend, "CompositeExplicitAutograd")
 
 
 def fused_attention(q_h: torch.Tensor, kv: QuantKV, mask_h: torch.Tensor | None, q_f: torch.Tensor,

@@ -39,9 +39,9 @@ def torch_attention(q: torch.Tensor, kv, mask: torch.Tensor | None = None):
     rep = Hq // kv.n_kv_heads
     tg = max(kv.keys.tg, kv.values.tg)
     step = max(CHUNK - CHUNK % tg, tg)
-    m = torch.full((B, Hq, Tq), float("-inf"))
-    l = torch.zeros(B, Hq, Tq)
-    acc = torch.zeros(B, Hq, Tq, D)
+    m = torch.full((B, Hq, Tq), float("-inf"), device=q.device)
+    l = torch.zeros(B, Hq, Tq, device=q.device)
+    acc = torch.zeros(B, Hq, Tq, D, device=q.device)
     qf = q.float()
     for t0 in range(0, T, step):  # online softmax over chunks of the history
         t1 = min(T, t0 + step)
