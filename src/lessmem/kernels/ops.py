@@ -7,7 +7,7 @@ backend from the tensors' device:
 - CPU: registered by :mod:`lessmem.kernels.attention` (the C++ kernel, or the torch
   fallback without a compiler);
 - CUDA: the Triton kernel (:mod:`lessmem.kernels.attention_triton`), registered when
-  triton is importable;
+  triton is installed (and imported at the first CUDA call, not before);
 - any other device, and CUDA without triton: the torch fallback, after one warning that
   names the slow path (registered by :mod:`lessmem.kernels.attention` too, beside the
   history classes it rebuilds).
@@ -34,12 +34,12 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import torch
 
 from ..formats.kvlayout import KVLayout
-from . import attention_triton
 
 SCHEMA = ("quantized_attention(Tensor q, Tensor[] k_codes, Tensor[] k_scale, Tensor[] k_zero_point, "
           "Tensor? k_lut, int k_layout, Tensor[] v_codes, Tensor[] v_scale, Tensor[] v_zero_point, "
@@ -114,10 +114,12 @@ def _fake(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, 
 
 def _triton_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, v_zero_point,
                     v_lut, v_layout, mask, seg):
+    from . import attention_triton  # imported on first CUDA call: triton costs ~0.25 s to import
+
     return attention_triton.attention_parts(
         q, layout_of(k_layout), parts(k_codes, k_scale, k_zero_point), layout_of(v_layout),
         parts(v_codes, v_scale, v_zero_point), k_lut, v_lut, mask, seg)
 
 
-if attention_triton.available():
+if importlib.util.find_spec("triton") is not None:  # CUDA without triton: the fallback, with a warning
     LIB.impl("quantized_attention", _triton_backend, "CUDA")
