@@ -8,7 +8,8 @@ Nothing else about the model changes.
 
 The ``"lessmem"`` function computes attention straight from a lessmem cache layer
 (the :class:`~lessmem.kvcache.view.LayerView` that ``KVCache.update`` returns while the
-model is switched) and otherwise falls through to transformers' SDPA, so a switched
+model is switched, or any object with the same ``attend(query, mask, scaling)`` method,
+such as the serving engine's per-step batch view) and otherwise falls through to transformers' SDPA, so a switched
 model still works with ``DynamicCache`` or no cache at all. A :class:`KVCache` notices
 the switch by reading the model config it was built from (``_attn_implementation``):
 without ``enable`` it returns dequantized tensors (the dequantized path), which is
@@ -35,9 +36,7 @@ NAME = "lessmem"
 def lessmem_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function: fused path for lessmem layer views, SDPA otherwise."""
-    from .view import LayerView
-
-    if isinstance(key, LayerView):
+    if hasattr(key, "attend"):  # a LayerView, or any view of that protocol (the serving engine's batch view)
         if kwargs.get("softcap") is not None:
             raise ValueError("lessmem attention does not support softcap; allowed: softcap=None")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

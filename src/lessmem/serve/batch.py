@@ -1,0 +1,143 @@
+"""One forward pass for a whole scheduler step: ragged requests packed into one sequence.
+
+The engine packs the step's tokens of every scheduled request into one row —
+``[decode tokens of requests a, b, ... | prompt chunk of request c | ...]`` — with each
+token's own position (``position_ids``), and hands the model a :class:`BatchCache`.
+The linear layers then see all the step's tokens at once (the weights are read once per
+step, not once per request), while attention stays per request: ``BatchCache.update``
+cuts the new keys/values at the segment bounds, appends each piece to its request's
+own cache and returns a :class:`BatchView`, which lessmem's attention function
+(:func:`lessmem.kvcache.attention.lessmem_attention`, which calls ``attend`` on any
+view) answers segment by segment, each over its own quantized pages and window: no
+padding to the longest request, no attention mask over the packed sequence. This is the
+"packed, ragged" batch of Orca/vLLM (Yu et al., 2022, "Orca: A Distributed Serving
+System for Transformer-Based Generative Models"), on lessmem's caches.
+
+Batch invariance. A float matmul's rows are not independent of how many rows are
+multiplied together (BLAS picks other kernels and blockings for other shapes), so a
+request decoded beside others would drift, by rounding, from the same request decoded
+alone. With ``row_plan`` installed, every ``nn.Linear`` of the model multiplies each
+prompt chunk on its own and the decode tokens in fixed tiles of :data:`TILE` rows
+(padded): a token's result then depends on its own row only, and greedy outputs are
+identical alone and in any batch (tested).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..kvcache.view import LayerView
+
+TILE = 16  # decode rows per matmul when batch invariance is on
+
+
+@dataclass
+class Segment:
+    """Tokens ``[start, end)`` of the packed step belong to ``cache`` (a request's)."""
+
+    start: int
+    end: int
+    cache: object
+    chunk: bool  # a prompt chunk (multiplied alone) rather than a decode token
+
+
+class BatchView:
+    """Attention over a packed step: each segment against its own cache's view."""
+
+    def __init__(self, views: list, segments: list[Segment]):
+        self.views, self.segments = views, segments
+
+    def attend(self, q: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+        outs = [view.attend(q[:, :, s.start:s.end], None, scaling)
+                for view, s in zip(self.views, self.segments, strict=True)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+class BatchCache(Cache):
+    """The transformers ``Cache`` a packed step's forward gets (module doc)."""
+
+    def __init__(self, segments: list[Segment], num_layers: int):
+        super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
+        self.segments = segments
+        self.total = segments[-1].end if segments else 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        views = []
+        for s in self.segments:
+            k, v = s.cache.update(key_states[:, :, s.start:s.end], value_states[:, :, s.start:s.end],
+                                  layer_idx)
+            views.append(k if hasattr(k, "attend") else LayerView(None, None, None, (k, v)))
+        view = BatchView(views, self.segments)
+        return view, view
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.total, 0  # the packed step itself: lessmem attention reads no mask
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+# ---- batch-invariant linears -----------------------------------------------------------
+_PLAN: contextvars.ContextVar = contextvars.ContextVar("lessmem_row_plan", default=None)
+
+
+def _tiled(x2: torch.Tensor, weight, bias) -> torch.Tensor:
+    n = x2.shape[0]
+    pad = -n % TILE
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    out = torch.cat([F.linear(x2[i:i + TILE], weight, bias) for i in range(0, x2.shape[0], TILE)])
+    return out[:n]
+
+
+def _invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    plan = _PLAN.get()
+    if plan is None:
+        return F.linear(x, module.weight, module.bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    total, chunks, rows = plan
+    if x2.shape[0] != total:  # e.g. the lm_head on the rows whose logits are kept
+        out = _tiled(x2, module.weight, module.bias)
+    else:
+        out = x2.new_empty(x2.shape[0], module.out_features)
+        if rows is not None:
+            out[rows] = _tiled(x2[rows], module.weight, module.bias)
+        for s, e in chunks:
+            out[s:e] = F.linear(x2[s:e], module.weight, module.bias)
+    return out.reshape(*shape[:-1], module.out_features)
+
+
+class RowPlan:
+    """Installs the batch-invariant ``forward`` on a model's ``nn.Linear`` modules
+    (exactly that class: lessmem's quantized linears have kernels of their own) and sets
+    the plan of each step (:meth:`step`); :meth:`remove` restores them."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        for m in self.modules:
+            m.forward = _invariant_linear.__get__(m)
+
+    def step(self, segments: list[Segment]):
+        total = segments[-1].end
+        chunks = [(s.start, s.end) for s in segments if s.chunk]
+        rows = [i for s in segments if not s.chunk for i in range(s.start, s.end)]
+        return _PLAN.set((total, chunks, torch.tensor(rows) if rows else None))
+
+    @staticmethod
+    def done(token) -> None:
+        _PLAN.reset(token)
+
+    def remove(self) -> None:
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+        self.modules = []

@@ -1,0 +1,771 @@
+"""The serving engine: many requests, one model, one KV budget.
+
+:class:`Engine` keeps a queue of requests and runs *steps*. Each step
+
+1. admits waiting (and swapped-out) requests while the device KV budget has room for
+   their next chunk and the running ones can still grow (a watermark of one block each);
+   a new request first looks its prompt up in the prefix cache (:mod:`.prefix`);
+2. picks the step's tokens: one decode token per running request that has finished its
+   prompt, and whole prompt chunks (``chunk_tokens``, always at the same aligned
+   positions) of prefilling requests, oldest first, while ``step_tokens`` allows — so a
+   long prompt is spread over steps and never stalls the others (chunked prefill,
+   Agrawal et al., 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
+   Sarathi-Serve");
+3. makes room if the step would not fit: least recently used prefix snapshots go first;
+   then, with a lower tier, the oldest pages of running requests move down (they stay
+   readable there: the window and sinks stay on the device); only then the newest
+   running request is preempted — swapped out to the lower tier (``preempt="swap"``) or
+   dropped and recomputed later (``"recompute"``, replaying exactly the tokens it had,
+   prompt chunks then one token per step, so its output is unchanged);
+4. runs one forward pass over the packed tokens (:mod:`.batch`), samples the requests
+   whose logits are due (greedy at temperature 0; else temperature and top-p, with a
+   per-request seeded generator), and reports every new token to the request's listener.
+
+Requests join and leave the running set at every step (continuous batching, Yu et al.,
+2022, "Orca"). Each request's KV lives in a :class:`~.paged.PagedKVCache` of the
+configured format over the engine's one :class:`~.paged.PagePool`.
+
+Example:
+    >>> import lessmem
+    >>> from lessmem.models import tiny_random
+    >>> from transformers import AutoTokenizer  # doctest: +SKIP
+    >>> engine = Engine(tiny_random("llama"), None, EngineConfig(kv="int4", kv_budget="4MiB"))
+    >>> reqs = [engine.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0)) for _ in range(3)]
+    >>> while engine.step():
+    ...     pass
+    >>> [len(r.output_ids) for r in reqs], engine.metrics()["requests_finished"]
+    ([4, 4, 4], 3)
+    >>> engine.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..base.units import parse_bytes
+from ..kvcache.attention import enable
+from ..kvcache.cache import cache_kwarg
+from ..kvcache.config import KVConfig
+from ..kvcache.identity import model_fingerprint
+from ..kvcache.presets import PRESETS, resolve
+from ..kvcache.shape import head_dim as model_head_dim
+from ..offload import build_tiers, parse_offload_spec
+from .batch import BatchCache, RowPlan, Segment
+from .paged import PagedKVCache, PagePool
+from .prefix import PrefixCache
+
+PREEMPT = ("auto", "swap", "recompute")
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _int(name: str, v, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo or (hi is not None and v > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name}={v!r}; allowed: an integer {rng}")
+    return int(v)
+
+
+def _float(name: str, v, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) \
+            or v < lo or v > hi or (lo_open and v == lo):
+        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise ValueError(f"{name}={v!r}; allowed: a number in {rng}")
+    return float(v)
+
+
+def kv_config_for(kv) -> KVConfig:
+    """The KV config the engine stores: a preset or a KVConfig; ``"fp16"`` really holds
+    fp16 (the preset keeps the model's dtype)."""
+    if isinstance(kv, str) and kv == "fp16":
+        return replace(PRESETS["fp16"], window_dtype="fp16")
+    return resolve(kv)
+
+
+@dataclass
+class EngineConfig:
+    """What the engine serves with (see the module doc). :meth:`check` validates and
+    normalizes it without a model, so a command line can refuse bad input first."""
+
+    kv: str | KVConfig = "best-4"
+    kv_budget: int | str | None = None
+    offload: str | list | None = None
+    max_running: int = 64
+    chunk_tokens: int = 256
+    step_tokens: int = 512
+    preempt: str = "auto"
+    prefix_cache: bool = True
+    batch_invariant: bool = True
+
+    def check(self) -> EngineConfig:
+        kv = kv_config_for(self.kv)
+        budget = None if self.kv_budget is None else parse_bytes(self.kv_budget, "kv_budget")
+        if budget is not None and budget <= 0:
+            raise ValueError(f"kv_budget={self.kv_budget!r}; allowed: a positive size or None (unbounded)")
+        specs = parse_offload_spec(self.offload) if isinstance(self.offload, str) else self.offload
+        if specs is not None and not isinstance(specs, list):
+            raise ValueError(f"offload={self.offload!r}; allowed: None or a tier spec such as "
+                             "'host@2GiB,disk:/var/kv'")
+        if specs and any(getattr(s, "kind", None) == "device" for s in specs):
+            raise ValueError(f"offload={self.offload!r}: the device is the KV budget itself; "
+                             "allowed: host, disk and Redis tiers")
+        _int("max_running", self.max_running, 1)
+        _int("chunk_tokens", self.chunk_tokens, 1)
+        if self.chunk_tokens % kv.block_size:
+            raise ValueError(f"chunk_tokens={self.chunk_tokens}; allowed: a multiple of the KV "
+                             f"config's block_size {kv.block_size}")
+        _int("step_tokens", self.step_tokens, self.chunk_tokens)
+        if self.preempt not in PREEMPT:
+            raise ValueError(f"preempt={self.preempt!r}; allowed: {', '.join(PREEMPT)}")
+        if self.preempt == "swap" and not specs:
+            raise ValueError("preempt='swap' needs a lower tier to swap to; allowed: offload= a "
+                             "tier spec, or preempt='recompute'/'auto'")
+        for name in ("prefix_cache", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: True or False")
+        return replace(self, kv=kv, kv_budget=budget, offload=specs or None)
+
+
+@dataclass
+class SamplingParams:
+    """How a request's tokens are chosen and when it ends. ``temperature=0``: greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def check(self) -> SamplingParams:
+        _int("max_tokens", self.max_tokens, 1)
+        _float("temperature", self.temperature, 0.0, 100.0)
+        _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (not isinstance(stop, (list, tuple)) or
+                                 not all(isinstance(s, str) and s for s in stop)):
+            raise ValueError(f"stop={self.stop!r}; allowed: None, a non-empty string or a list of them")
+        if self.seed is not None:
+            _int("seed", self.seed, 0, 2 ** 63 - 1)
+        if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}; allowed: None or a list of token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r}; allowed: True or False")
+        return replace(self, stop=list(stop) if stop else None)
+
+
+@dataclass
+class TokenEvent:
+    """One new token of a request (``token_id``), or its end (``finished``)."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class Request:
+    """A request as the engine tracks it; read ``output_ids``, ``text``, ``finish_reason``
+    and ``stats`` after ``done`` is set."""
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    listener: object = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    state: str = "waiting"
+    cache: PagedKVCache | None = None
+    n_cached: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+    cached_tokens: int = 0
+    preemptions: int = 0
+    swap_key: str | None = None
+    emitted: int = 0
+    order: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def stats(self) -> dict:
+        n = len(self.output_ids)
+        return dict(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens,
+                    output_tokens=n, preemptions=self.preemptions,
+                    ttft_s=None if self.t_first is None else self.t_first - self.arrival,
+                    tpot_s=(self.t_last - self.t_first) / (n - 1) if n > 1 else None)
+
+
+class Engine:
+    """Continuous batching over paged, quantized KV under one budget (module doc).
+
+    ``model``: a transformers causal LM (switched to lessmem attention while the engine
+    lives); ``tok``: its tokenizer (None: token ids only, no text or stop strings);
+    ``config``: an :class:`EngineConfig`."""
+
+    def __init__(self, model, tok, config: EngineConfig | None = None, model_name: str | None = None):
+        self.config = (config or EngineConfig()).check()
+        cfg = self.config
+        text = model.config.get_text_config()
+        types = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if types != {"full_attention"} or getattr(text, "sliding_window", None) and getattr(
+                text, "use_sliding_window", True):
+            raise ValueError(f"the serving engine runs full-attention models; this one has layers "
+                             f"{sorted(types)} (sliding window {getattr(text, 'sliding_window', None)}); "
+                             "allowed: models whose every layer attends to the whole context")
+        self.model, self.tok = model.eval(), tok
+        self.model_name = model_name or getattr(model.config, "_name_or_path", None) or "model"
+        self.max_context = int(getattr(text, "max_position_embeddings", 0) or 1 << 30)
+        self.kv = cfg.kv
+        self._switch = enable(model)
+        self._plan = RowPlan(model) if cfg.batch_invariant else None
+        self._kwarg = cache_kwarg(model)
+        self.layers = text.num_hidden_layers
+        self._kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self._head_dim = model_head_dim(text)
+        p = next(model.parameters())
+        self._probe = torch.empty(1, self._kv_heads, 0, self._head_dim, dtype=p.dtype, device=p.device)
+        self.device = p.device
+        fp_elem = 2 if self.kv.window_dtype in ("fp16", "bf16") or not self.kv.keys.quantized else 4
+        if not self.kv.keys.quantized and self.kv.window_dtype not in ("fp16", "bf16", "fp32"):
+            fp_elem = p.element_size()
+        self.fp_token_bytes = self.layers * 2 * self._kv_heads * self._head_dim * fp_elem
+        self.pool = PagePool()
+        self.tiers = build_tiers(cfg.offload) if cfg.offload else []
+        self.swap_tier = self.tiers[0] if self.tiers else None
+        persist = next((t for t in reversed(self.tiers) if type(t).__name__ in ("DiskTier", "RedisTier")), None)
+        self.model_id = model_fingerprint(model)
+        key_config = {**self.kv.to_dict(), "chunk": cfg.chunk_tokens, "invariant": cfg.batch_invariant}
+        self.prefix = PrefixCache(self.pool, self.model_id, key_config, cfg.chunk_tokens,
+                                  self.kv.block_size, self.kv.sinks if self.kv.keys.quantized else 0,
+                                  persist) if cfg.prefix_cache else None
+        self.preempt_policy = cfg.preempt if cfg.preempt != "auto" else ("swap" if self.swap_tier else "recompute")
+        self.session = uuid.uuid4().hex[:12]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self._lock = threading.Condition()
+        self._aborts: set[str] = set()
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.counters = dict(steps=0, prompt_tokens=0, computed_prompt_tokens=0, output_tokens=0,
+                             requests_finished=0, preemptions=0, demoted_pages=0, max_running=0,
+                             peak_device_bytes=0, over_budget_steps=0, recomputes=0, step_seconds=0.0)
+        self.finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
+        eos = getattr(tok, "eos_token_id", None) if tok is not None else getattr(model.config, "eos_token_id", None)
+        self._eos = [eos] if isinstance(eos, int) else list(eos or [])
+
+    # ---- requests -------------------------------------------------------------------
+    def check_request(self, prompt_ids, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The checked (prompt ids, params); ValueError naming what is wrong (nothing queued)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params is a {type(params).__name__}; allowed: a SamplingParams")
+        params = params.check()
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.reshape(-1).tolist()
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("the prompt is empty; allowed: at least one token")
+        vocab = self.model.config.get_text_config().vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in 0..{vocab - 1}")
+        n = len(prompt_ids) + params.max_tokens
+        if n > self.max_context:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"is {n} tokens; allowed: at most the model's context, {self.max_context}")
+        return [int(t) for t in prompt_ids], params
+
+    def submit(self, prompt_ids, params: SamplingParams | None = None, listener=None,
+               request_id: str | None = None) -> Request:
+        """Queue a request (checked first, see :meth:`check_request`); returns it."""
+        prompt_ids, params = self.check_request(prompt_ids, params or SamplingParams())
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, ()).item())
+        req = Request(rid, prompt_ids, params, listener, generator=torch.Generator().manual_seed(seed))
+        with self._lock:
+            if rid in self.requests:
+                raise ValueError(f"request_id={rid!r} is already in use; allowed: a new id")
+            req.order = next(self._order)
+            self.requests[rid] = req
+            self.waiting.append(req)
+            self.counters["prompt_tokens"] += len(prompt_ids)
+            self._lock.notify_all()
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request with ``"abort"`` and free its KV at the next step (any thread)."""
+        with self._lock:
+            if request_id in self.requests:
+                self._aborts.add(request_id)
+                self._lock.notify_all()
+
+    # ---- bytes ------------------------------------------------------------------------
+    def device_bytes(self) -> int:
+        fp = sum(r.cache.fp_bytes() for r in self.running if r.cache is not None)
+        fp += sum(r.cache.fp_bytes() for r in self.swapped if r.cache is not None)
+        return self.pool.device_bytes + fp + (self.prefix.fp_bytes if self.prefix else 0)
+
+    def _fits(self, extra: int) -> bool:
+        b = self.config.kv_budget
+        return b is None or self.device_bytes() + extra <= b
+
+    def _need(self, req: Request) -> int:
+        """Device bytes the request's next step adds (its tokens, in full precision first)."""
+        return self._tokens_next(req) * self.fp_token_bytes
+
+    def _tokens_next(self, req: Request) -> int:
+        n = len(req.prompt_ids)
+        if req.n_cached < n:
+            C = self.config.chunk_tokens
+            return min(n, (req.n_cached // C + 1) * C) - req.n_cached
+        return 1
+
+    def _watermark(self) -> int:
+        return len(self.running) * self.kv.block_size * self.fp_token_bytes
+
+    # ---- scheduling -------------------------------------------------------------------
+    def _finish(self, req: Request, reason: str, token: int | None = None, delta: str = "") -> None:
+        req.finish_reason = reason
+        req.state = "finished"
+        if req.cache is not None:
+            req.cache.free()
+            req.cache = None
+        if req.swap_key and self.swap_tier is not None:
+            try:
+                self.swap_tier.delete(f"swapfp-{req.swap_key}")
+            except Exception:  # noqa: BLE001
+                pass
+        self.counters["requests_finished"] += 1
+        self.finished_by_reason[reason] += 1
+        with self._lock:
+            self.requests.pop(req.id, None)
+        req.done.set()
+        self._emit(req, TokenEvent(req.id, token, delta, True, reason))
+
+    @staticmethod
+    def _emit(req: Request, ev: TokenEvent) -> None:
+        if req.listener is not None:
+            try:
+                req.listener(ev)
+            except Exception as e:  # noqa: BLE001 (a listener's bug must not stop the engine)
+                warnings.warn(f"listener of {req.id} raised {e!r}", RuntimeWarning, stacklevel=2)
+
+    def _take_aborts(self) -> None:
+        with self._lock:
+            ids, self._aborts = self._aborts, set()
+        for rid in ids:
+            for q in (self.waiting, self.swapped):
+                for r in list(q):
+                    if r.id == rid:
+                        q.remove(r)
+                        self._finish(r, "abort")
+            for r in list(self.running):
+                if r.id == rid:
+                    self.running.remove(r)
+                    self._finish(r, "abort")
+
+    def _new_cache(self, req: Request) -> None:
+        req.cache = PagedKVCache(self.model.config, self.kv, self.pool)
+        req.n_cached = 0
+        if self.prefix is not None:
+            p, states = self.prefix.lookup(req.prompt_ids)
+            if p:
+                req.cache.load_snapshot(states, self._probe)
+                req.n_cached = p
+                req.cached_tokens = max(req.cached_tokens, p)
+
+    def _admit(self) -> None:
+        while len(self.running) < self.config.max_running:
+            with self._lock:
+                src = self.swapped if self.swapped else (self.waiting if self.waiting else None)
+                if src is None:
+                    return
+                req = src[0]
+            if req.state == "swapped":
+                need = self._need(req) + self._watermark()
+                if not self._fits(need) and not self._make_room(need, admitting=True):
+                    return
+                with self._lock:
+                    src.popleft()
+                if not req.cache.swap_in(self.swap_tier, req.swap_key):
+                    self._reset_for_recompute(req)
+                req.swap_key = None
+            else:
+                need = self._need(req) + self._watermark()
+                if not self._fits(need) and not self._make_room(need, admitting=True):
+                    if self.running or self.config.kv_budget is None:
+                        return
+                    # nothing runs and it still does not fit: run it anyway (counted), never deadlock
+                with self._lock:
+                    src.popleft()
+                self._new_cache(req)
+            req.state = "running"
+            self.running.append(req)
+
+    def _reset_for_recompute(self, req: Request) -> None:
+        if req.cache is not None:
+            req.cache.free()
+        req.cache = PagedKVCache(self.model.config, self.kv, self.pool)
+        req.n_cached = 0
+        self.counters["recomputes"] += 1
+
+    def _make_room(self, need: int, admitting: bool = False) -> bool:
+        """Free device bytes until ``need`` more fit: prefix snapshots, then (with a lower
+        tier) pages of running requests; True when it fits."""
+        while not self._fits(need):
+            if self.prefix is not None and self.prefix.evict():
+                continue
+            if self.swap_tier is None or not self._demote_one():
+                return False
+        return True
+
+    def _demote_one(self) -> bool:
+        """Move one device page that only one running request holds to the lower tier
+        (the oldest page of the request holding most device pages)."""
+        best, best_n = None, 0
+        for r in self.running:
+            if r.cache is None:
+                continue
+            n = sum(1 for p in r.cache.pages() if p.on_device and p.refs == 1)
+            if n > best_n:
+                best, best_n = r, n
+        if best is None:
+            return False
+        for layer_pages in zip(*(layer.pages for layer in best.cache.paged_layers()), strict=False):
+            for p in layer_pages:
+                if p.on_device and p.refs == 1:
+                    if self.pool.demote(p, self.swap_tier, f"swap-{self.session}-{p.id}"):
+                        self.counters["demoted_pages"] += 1
+                        return True
+                    return False
+        return False
+
+    def _preempt_one(self) -> bool:
+        if len(self.running) <= 1:
+            return False
+        victim = max(self.running, key=lambda r: r.order)
+        self.running.remove(victim)
+        victim.preemptions += 1
+        self.counters["preemptions"] += 1
+        if self.preempt_policy == "swap" and victim.cache is not None:
+            key = f"{self.session}-{victim.id}"
+            if victim.cache.swap_out(self.swap_tier, key):
+                victim.swap_key, victim.state = key, "swapped"
+                with self._lock:
+                    self.swapped.appendleft(victim)
+                return True
+        victim.cache.free()
+        victim.cache, victim.n_cached, victim.state = None, 0, "waiting"
+        self.counters["recomputes"] += 1
+        with self._lock:
+            self.waiting.appendleft(victim)
+        return True
+
+    def _schedule(self) -> list[tuple[Request, list[int], bool, bool]]:
+        """(request, tokens, is_chunk, sample) of the step: decodes first, then chunks."""
+        budget = self.config.step_tokens
+        out = []
+        for r in sorted(self.running, key=lambda r: r.order):
+            if r.n_cached >= len(r.prompt_ids) and budget >= 1:
+                seq_len = len(r.prompt_ids) + len(r.output_ids)
+                out.append((r, [(r.prompt_ids + r.output_ids)[r.n_cached]], False, r.n_cached == seq_len - 1))
+                budget -= 1
+        for r in sorted(self.running, key=lambda r: r.order):
+            if r.n_cached < len(r.prompt_ids):
+                n = self._tokens_next(r)
+                if n > budget:
+                    break
+                end = r.n_cached + n
+                out.append((r, r.prompt_ids[r.n_cached:end], True,
+                            end == len(r.prompt_ids) and not r.output_ids))
+                budget -= n
+        return out
+
+    def _stage(self, batch) -> list:
+        """Read the lower-tier pages the step needs; requests with a lost page are reset."""
+        keep = []
+        for item in batch:
+            r = item[0]
+            if all(self.pool.stage(p) for p in r.cache.pages()):
+                keep.append(item)
+            else:
+                warnings.warn(f"{r.id}: a KV page was lost from the lower tier; recomputing it",
+                              RuntimeWarning, stacklevel=3)
+                self._reset_for_recompute(r)
+        return keep
+
+    def _unstage(self, batch) -> int:
+        staged = 0
+        for r, *_ in batch:
+            if r.cache is None:
+                continue
+            for p in r.cache.pages():
+                if p.staged is not None:
+                    staged += p.nbytes
+                    p.staged = None
+        return staged
+
+    # ---- one step ---------------------------------------------------------------------
+    def step(self) -> int:
+        """One scheduler step (module doc); returns the number of requests still
+        unfinished (0: idle)."""
+        t0 = time.perf_counter()
+        self._take_aborts()
+        self._admit()
+        batch = self._schedule()
+        while batch:
+            grow = sum(len(t) for _, t, _, _ in batch) * self.fp_token_bytes
+            if self._fits(grow) or self._make_room(grow):
+                break
+            if not self._preempt_one():
+                self.counters["over_budget_steps"] += 1
+                break
+            batch = self._schedule()
+        if not batch:
+            return self._pending()
+        batch = self._stage(batch)
+        if batch:
+            self._forward(batch)
+        self.counters["steps"] += 1
+        self.counters["step_seconds"] += time.perf_counter() - t0
+        return self._pending()
+
+    def _pending(self) -> int:
+        with self._lock:
+            return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def _forward(self, batch) -> None:
+        ids, pos, segments, keep, samplers = [], [], [], [], []
+        for r, toks, is_chunk, sample in batch:
+            s = len(ids)
+            ids.extend(toks)
+            pos.extend(range(r.n_cached, r.n_cached + len(toks)))
+            segments.append(Segment(s, len(ids), r.cache, is_chunk))
+            if sample:
+                keep.append(len(ids) - 1)
+                samplers.append(r)
+        self.counters["max_running"] = max(self.counters["max_running"], len(self.running))
+        dev = self.device
+        kwargs = {self._kwarg: BatchCache(segments, self.layers), "use_cache": True,
+                  "logits_to_keep": torch.tensor(keep or [0], device=dev)}
+        token = self._plan.step(segments) if self._plan is not None else None
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=torch.tensor([ids], device=dev),
+                                 position_ids=torch.tensor([pos], device=dev), **kwargs)
+        finally:
+            if token is not None:
+                RowPlan.done(token)
+        peak = self.device_bytes() + self._unstage(batch)
+        self.counters["peak_device_bytes"] = max(self.counters["peak_device_bytes"], peak)
+        if self.config.kv_budget is not None and self.device_bytes() > self.config.kv_budget:
+            self.counters["over_budget_steps"] += 1
+        for r, toks, is_chunk, _ in batch:
+            r.n_cached += len(toks)
+            if is_chunk:
+                self.counters["computed_prompt_tokens"] += len(toks)
+                if self.prefix is not None and r.n_cached % self.config.chunk_tokens == 0 \
+                        and r.n_cached < len(r.prompt_ids):
+                    self.prefix.register(r.prompt_ids, r.n_cached, r.cache)
+        if samplers:
+            logits = out.logits[0, :len(samplers)].float()
+            for row, r in zip(logits, samplers, strict=True):
+                self._accept(r, self._sample(row, r))
+
+    def _sample(self, logits: torch.Tensor, r: Request) -> int:
+        p = r.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sp, idx = torch.sort(probs, descending=True)
+            cut = torch.cumsum(sp, 0) - sp >= p.top_p
+            sp[cut] = 0
+            probs = torch.zeros_like(probs).scatter_(0, idx, sp)
+        return int(torch.multinomial(probs, 1, generator=r.generator))
+
+    def _accept(self, r: Request, token: int) -> None:
+        now = time.perf_counter()
+        if r.t_first is None:
+            r.t_first = now
+        r.t_last = now
+        r.output_ids.append(token)
+        self.counters["output_tokens"] += 1
+        p = r.params
+        stops = p.stop_token_ids if p.stop_token_ids is not None else ([] if p.ignore_eos else self._eos)
+        if token in stops:
+            self.running.remove(r)
+            self._finish(r, "stop", token, self._text_delta(r, final=True, drop_last=True))
+            return
+        delta, stopped = self._text_delta(r), False
+        if p.stop and self.tok is not None:
+            full = r.text
+            for s in p.stop:
+                i = full.find(s, max(0, r.emitted - len(s)))
+                if i >= 0:
+                    r.text, stopped = full[:i], True
+        if stopped:
+            self.running.remove(r)
+            self._finish(r, "stop", token, self._text_delta(r, final=True, recompute=False))
+            return
+        if len(r.output_ids) >= p.max_tokens:
+            self.running.remove(r)
+            self._finish(r, "length", token, delta + self._text_delta(r, final=True, recompute=False))
+            return
+        self._emit(r, TokenEvent(r.id, token, delta))
+
+    def _text_delta(self, r: Request, final: bool = False, drop_last: bool = False,
+                    recompute: bool = True) -> str:
+        """The text not yet reported (holding back what a stop string may still claim and
+        an incomplete character), ``r.text`` updated."""
+        if self.tok is None:
+            return ""
+        if recompute:
+            ids = r.output_ids[:-1] if drop_last else r.output_ids
+            r.text = self.tok.decode(ids, skip_special_tokens=True)
+        end = len(r.text)
+        if not final:
+            if r.text.endswith("\ufffd"):
+                end -= 1
+            if r.params.stop:
+                end -= max(len(s) for s in r.params.stop) - 1
+        end = max(end, r.emitted)
+        delta = r.text[r.emitted:end]
+        r.emitted = end
+        return delta
+
+    # ---- running ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Step in a background thread whenever there is work (until :meth:`stop`)."""
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="lessmem-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not (self.waiting or self.running or self.swapped or self._aborts):
+                    self._lock.wait(0.5)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 (fail the step's requests, keep serving)
+                warnings.warn(f"engine step failed: {e!r}; its requests are aborted", RuntimeWarning,
+                              stacklevel=2)
+                for r in list(self.running):
+                    self.running.remove(r)
+                    self._finish(r, "abort")
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def generate_many(self, prompts, params: SamplingParams | None = None, progress: bool = True) -> list[Request]:
+        """Run a batch of prompts (strings need the tokenizer, or token id lists) to the
+        end; returns the requests in order. ``progress``: a line per finished request on stderr."""
+        params = params or SamplingParams()
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tok is None:
+                    raise ValueError("string prompts need the engine's tokenizer; allowed: token id lists")
+                p = self.tok(p).input_ids
+            ids.append(self.check_request(p, params)[0])
+        reqs = [self.submit(p, params) for p in ids]
+        t0, done = time.perf_counter(), 0
+        while any(not r.done.is_set() for r in reqs):
+            if self._thread is None:
+                self.step()
+            else:
+                time.sleep(0.05)
+            n = sum(r.done.is_set() for r in reqs)
+            if progress and n > done:
+                done = n
+                toks = sum(len(r.output_ids) for r in reqs)
+                print(f"generate_many: {done}/{len(reqs)} done, {toks} tokens, "
+                      f"{toks / (time.perf_counter() - t0):.1f} tok/s", file=sys.stderr, flush=True)
+        return reqs
+
+    def metrics(self) -> dict:
+        """What the engine holds and has done (see :mod:`lessmem.serve`)."""
+        by_tier = {"device": self.device_bytes(), "host": 0, "disk": 0, "redis": 0}
+        for t in self.tiers:
+            name = {"HostTier": "host", "DiskTier": "disk", "RedisTier": "redis"}.get(type(t).__name__, t.name)
+            try:
+                by_tier[name] = by_tier.get(name, 0) + t.nbytes()
+            except Exception:  # noqa: BLE001 (an unreachable tier reports nothing)
+                pass
+        fmt = {"codes": 0, "scales": 0, "zero_points": 0, "window": 0, "sinks": 0}
+        for name, b in self.pool.part_bytes.items():
+            kind = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
+            fmt[kind] += b
+        for r in self.running:
+            if r.cache is None:
+                continue
+            for layer in r.cache.paged_layers():
+                if not layer.is_initialized:
+                    continue
+                if layer.quantized:
+                    fmt["sinks"] += sum(t.numel() * t.element_size() for t in (layer.sinks or ()))
+                    fmt["window"] += sum(t.numel() * t.element_size() for t in (layer.window or ()))
+                else:
+                    fmt["window"] += layer.fp_bytes()
+        with self._lock:
+            waiting, swapped = len(self.waiting), len(self.swapped)
+        pc = self.prefix
+        return dict(running=len(self.running), waiting=waiting, swapped=swapped,
+                    kv_budget=self.config.kv_budget, kv_bytes_by_tier=by_tier, kv_bytes_by_format=fmt,
+                    prefix_bytes=pc.fp_bytes if pc else 0, prefix_entries=len(pc.entries) if pc else 0,
+                    prefix_queries=pc.queries if pc else 0, prefix_hits=pc.hits if pc else 0,
+                    prefix_tokens_reused=pc.tokens_reused if pc else 0,
+                    prefix_tier_hits=pc.tier_hits if pc else 0,
+                    finished_by_reason=dict(self.finished_by_reason), **self.counters)
+
+    def close(self) -> None:
+        """Stop, free every request and snapshot, close the tiers, restore the model."""
+        self.stop()
+        for q in (self.waiting, self.swapped, self.running):
+            for r in list(q):
+                q.remove(r)
+                self._finish(r, "abort")
+        if self.prefix is not None:
+            self.prefix.clear()
+        for t in self.tiers:
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._plan is not None:
+            self._plan.remove()
+        self._switch.disable()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
