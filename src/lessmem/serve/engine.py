@@ -202,6 +202,7 @@ class Request:
     emitted: int = 0
     order: int = 0
     generator: torch.Generator | None = None
+    hashes: list[str] | None = None  # chained hash of each whole prompt chunk (prefix cache)
 
     @property
     def stats(self) -> dict:
@@ -246,6 +247,7 @@ class Engine:
         if not self.kv.keys.quantized and self.kv.window_dtype not in ("fp16", "bf16", "fp32"):
             fp_elem = p.element_size()
         self.fp_token_bytes = self.layers * 2 * self._kv_heads * self._head_dim * fp_elem
+        self._measure_bytes()
         self.pool = PagePool()
         self.tiers = build_tiers(cfg.offload) if cfg.offload else []
         self.swap_tier = self.tiers[0] if self.tiers else None
@@ -322,6 +324,35 @@ class Engine:
         fp += sum(r.cache.fp_bytes() for r in self.swapped if r.cache is not None)
         return self.pool.device_bytes + fp + (self.prefix.fp_bytes if self.prefix else 0)
 
+    def _measure_bytes(self) -> None:
+        """Bytes a request holds at ``n0`` tokens and per token after that, measured once by
+        filling a scratch cache of this config (every scale and window counted)."""
+        pool = PagePool()
+        cache = PagedKVCache(self.model.config, self.kv, pool, attention="reference")
+        q = self.kv.keys.quantized
+        self._n0 = (self.kv.sinks + self.kv.window + self.kv.block_size) if q else 1
+        g = torch.Generator().manual_seed(0)
+        sizes = []
+        for n in (self._n0, self.kv.block_size):
+            for i in range(self.layers):
+                k = torch.randn(1, self._kv_heads, n, self._head_dim, generator=g).to(self._probe.dtype)
+                cache.update(k, k.clone(), i)
+            sizes.append(pool.device_bytes + cache.fp_bytes())
+        self._b0 = sizes[0]
+        self._per_token = (sizes[1] - sizes[0]) / self.kv.block_size
+        cache.free()
+
+    def request_bytes(self, n_tokens: int) -> int:
+        """Device bytes one request holds at ``n_tokens`` tokens (measured, see above)."""
+        if n_tokens <= self._n0:
+            return n_tokens * self.fp_token_bytes
+        return int(self._b0 + (n_tokens - self._n0) * self._per_token)
+
+    def _outstanding(self) -> int:
+        """Bytes the running requests' prompts will still add before they decode."""
+        return sum(max(0, self.request_bytes(len(r.prompt_ids)) - self.request_bytes(r.n_cached))
+                   for r in self.running if r.n_cached < len(r.prompt_ids))
+
     def _fits(self, extra: int) -> bool:
         b = self.config.kv_budget
         return b is None or self.device_bytes() + extra <= b
@@ -385,11 +416,34 @@ class Engine:
         req.cache = PagedKVCache(self.model.config, self.kv, self.pool)
         req.n_cached = 0
         if self.prefix is not None:
-            p, states = self.prefix.lookup(req.prompt_ids)
-            if p:
-                req.cache.load_snapshot(states, self._probe)
-                req.n_cached = p
-                req.cached_tokens = max(req.cached_tokens, p)
+            if req.hashes is None:
+                req.hashes = self.prefix.chunk_hashes(req.prompt_ids)
+            self.prefix.queries += 1
+            self._jump(req, tier=True)
+
+    def _jump(self, req: Request, tier: bool = False) -> None:
+        """Start ``req`` from the longest snapshot beyond what it has computed, if any."""
+        p, states = self.prefix.lookup(req.prompt_ids, req.hashes, beyond=req.n_cached, tier=tier)
+        if p:
+            req.cache.free()
+            req.cache.load_snapshot(states, self._probe)
+            if not req.cached_tokens:
+                self.prefix.hits += 1
+            self.prefix.tokens_reused += p - req.n_cached
+            req.n_cached = p
+            req.cached_tokens = max(req.cached_tokens, p)
+
+    def _follows(self, r: Request, ahead: list[Request]) -> bool:
+        """True when an older request is computing the chunk ``r`` needs next (``r``
+        waits a step and then starts from its snapshot instead of computing it too)."""
+        if self.prefix is None or r.hashes is None:
+            return False
+        i = r.n_cached // self.config.chunk_tokens
+        if i >= len(r.hashes) or (i + 1) * self.config.chunk_tokens >= len(r.prompt_ids):
+            return False
+        h = r.hashes[i]
+        return any(q.hashes is not None and len(q.hashes) > i and q.hashes[i] == h
+                   and q.n_cached <= i * self.config.chunk_tokens for q in ahead)
 
     def _admit(self) -> None:
         while len(self.running) < self.config.max_running:
@@ -399,7 +453,7 @@ class Engine:
                     return
                 req = src[0]
             if req.state == "swapped":
-                need = self._need(req) + self._watermark()
+                need = self._need(req) + self._outstanding() + self._watermark()
                 if not self._fits(need) and not self._make_room(need, admitting=True):
                     return
                 with self._lock:
@@ -407,8 +461,8 @@ class Engine:
                 if not req.cache.swap_in(self.swap_tier, req.swap_key):
                     self._reset_for_recompute(req)
                 req.swap_key = None
-            else:
-                need = self._need(req) + self._watermark()
+            else:  # room for its whole prompt, what the others' prompts still add, a block each
+                need = self.request_bytes(len(req.prompt_ids) + 1) + self._outstanding() + self._watermark()
                 if not self._fits(need) and not self._make_room(need, admitting=True):
                     if self.running or self.config.kv_budget is None:
                         return
@@ -487,8 +541,14 @@ class Engine:
                 seq_len = len(r.prompt_ids) + len(r.output_ids)
                 out.append((r, [(r.prompt_ids + r.output_ids)[r.n_cached]], False, r.n_cached == seq_len - 1))
                 budget -= 1
+        ahead = []
         for r in sorted(self.running, key=lambda r: r.order):
             if r.n_cached < len(r.prompt_ids):
+                if self.prefix is not None and r.hashes is not None:
+                    self._jump(r)
+                    if self._follows(r, ahead):
+                        continue
+                    ahead.append(r)
                 n = self._tokens_next(r)
                 if n > budget:
                     break

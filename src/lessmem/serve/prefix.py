@@ -59,7 +59,7 @@ class PrefixCache:
         self.persist = persist
         self.entries: OrderedDict[str, tuple[int, list[dict], int]] = OrderedDict()
         self.fp_bytes = 0
-        self.queries = self.hits = self.tokens_reused = 0
+        self.queries = self.hits = self.tokens_reused = 0  # counted by the engine, per request
         self.persisted = self.tier_hits = 0
         self._warned = False
 
@@ -88,29 +88,28 @@ class PrefixCache:
         if self.persist is not None:
             self._write(h, prompt[:p], states)
 
-    def lookup(self, prompt: list[int]) -> tuple[int, list[dict] | None]:
-        """(p, snapshot) of the longest registered prefix of ``prompt`` that leaves at
-        least one token to compute, or (0, None). A snapshot read back from the
-        persistent tier comes with references the caller must not release twice: the
-        returned states are always the cache's to load (it takes its own references)."""
-        self.queries += 1
-        hs = self.chunk_hashes(prompt)
+    def lookup(self, prompt: list[int], hashes: list[str] | None = None, beyond: int = 0,
+               tier: bool = True) -> tuple[int, list[dict] | None]:
+        """(p, snapshot) of the longest registered prefix of ``prompt`` longer than
+        ``beyond`` tokens that leaves at least one token to compute, or (0, None);
+        ``hashes``: the prompt's :meth:`chunk_hashes` if known; ``tier``: also ask the
+        persistent tier. The states are the caller's to load (the cache takes its own
+        references; the entry keeps its own)."""
+        hs = hashes if hashes is not None else self.chunk_hashes(prompt)
         for i in range(len(hs) - 1, -1, -1):
             p = (i + 1) * self.chunk
+            if p <= beyond:
+                break
             if p >= len(prompt):
                 continue
             entry = self.entries.get(hs[i])
             if entry is not None:
                 self.entries.move_to_end(hs[i])
-                self.hits += 1
-                self.tokens_reused += p
                 return p, entry[1]
-            if self.persist is not None:
+            if tier and self.persist is not None:
                 states = self._read(hs[i], prompt[:p])
                 if states is not None:
-                    self.hits += 1
                     self.tier_hits += 1
-                    self.tokens_reused += p
                     nb = _state_fp_bytes(states)
                     self.entries[hs[i]] = (p, states, nb)
                     self.fp_bytes += nb

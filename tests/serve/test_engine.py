@@ -1,0 +1,184 @@
+"""The serving engine on real transformers models: identical outputs alone and batched,
+under a budget that forces preemption (recompute and swap), with prefix hits, across a
+restart on a disk tier; bytes counted once for shared pages; bad input refused first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lessmem.models import tiny_random
+from lessmem.serve import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny_random("llama")
+
+
+def prompts(n, length=150, shared=0):
+    g = torch.Generator().manual_seed(1)
+    head = torch.randint(0, 256, (shared,), generator=g).tolist()
+    return [head + torch.randint(0, 256, (length + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def run(model, ps, params=GREEDY, **cfg):
+    cfg.setdefault("kv", "int4")
+    cfg.setdefault("chunk_tokens", 64)
+    cfg.setdefault("step_tokens", 128)
+    with Engine(model, None, EngineConfig(**cfg)) as e:
+        reqs = [e.submit(p, params) for p in ps]
+        while e.step():
+            pass
+        return [r.output_ids for r in reqs], e.metrics()
+
+
+def alone(model, ps, **cfg):
+    return [run(model, [p], **cfg)[0][0] for p in ps]
+
+
+@pytest.mark.parametrize("kv", ["int4", "best-4", "fp16"])
+def test_batched_outputs_equal_each_request_alone(model, kv):
+    ps = prompts(5)
+    batched, m = run(model, ps, kv=kv)
+    assert m["max_running"] == 5 and m["requests_finished"] == 5
+    assert batched == alone(model, ps, kv=kv)
+
+
+def test_fp16_engine_equals_transformers_generate(model):
+    ps = prompts(3)
+    out, _ = run(model, ps, kv="fp16")
+    for p, o in zip(ps, out, strict=True):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                             min_new_tokens=12)[0, len(p):].tolist()
+        assert o == ref
+
+
+def test_budget_limits_running_and_recompute_keeps_outputs(model):
+    ps = prompts(6)
+    free, m_free = run(model, ps)
+    per_request = m_free["peak_device_bytes"] / 6
+    tight, m = run(model, ps, kv_budget=int(per_request * 2.5), preempt="recompute")
+    assert tight == free
+    assert m["max_running"] < 6
+    assert m["peak_device_bytes"] <= int(per_request * 2.5) * 1.05
+
+
+def test_swap_to_host_keeps_outputs_and_offloads_pages(model):
+    ps = prompts(6)
+    free, m_free = run(model, ps)
+    budget = int(m_free["peak_device_bytes"] / 6 * 2.5)
+    out, m = run(model, ps, kv_budget=budget, offload="host@64MiB", preempt="swap")
+    assert out == free
+    assert m["demoted_pages"] > 0 or m["preemptions"] > 0
+    assert m["max_running"] > run(model, ps, kv_budget=budget, preempt="recompute")[1]["max_running"]
+
+
+def test_shared_prefix_is_computed_once_and_changes_nothing(model):
+    ps = prompts(4, length=40, shared=192)
+    with_prefix, m = run(model, ps)
+    without, m0 = run(model, ps, prefix_cache=False)
+    assert with_prefix == without
+    assert m["prefix_hits"] >= 3 and m["prefix_tokens_reused"] >= 3 * 192
+    assert m["computed_prompt_tokens"] == m0["computed_prompt_tokens"] - m["prefix_tokens_reused"]
+
+
+def test_shared_pages_are_referenced_not_copied(model):
+    ps = prompts(3, length=10, shared=256)
+    with Engine(model, None, EngineConfig(kv="int4", chunk_tokens=64, step_tokens=64)) as e:
+        first = e.submit(ps[0], SamplingParams(max_tokens=1, temperature=0))
+        while not first.done.is_set():
+            e.step()
+        rest = [e.submit(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in ps[1:]]
+        for _ in range(3):
+            e.step()
+        assert all(r.cached_tokens == 256 for r in rest)
+        a, b = (r.cache.layers[0].pages for r in rest)
+        assert a[0] is b[0] and a[0].refs >= 3  # both requests and the snapshot hold one page
+        held = sum(p.nbytes for r in rest for p in r.cache.pages())
+        assert e.pool.device_bytes < held  # counted once in the pool, however many hold it
+
+
+def test_prefix_survives_a_restart_on_the_disk_tier(model, tmp_path):
+    ps = prompts(1, length=30, shared=128)
+    out1, m1 = run(model, ps, offload=f"disk:{tmp_path}")
+    out2, m2 = run(model, ps, offload=f"disk:{tmp_path}")
+    assert out1 == out2
+    assert m1["prefix_tier_hits"] == 0 and m2["prefix_tier_hits"] == 1
+    assert m2["computed_prompt_tokens"] == m1["computed_prompt_tokens"] - 128
+
+
+def test_abort_frees_the_requests_pages(model):
+    with Engine(model, None, EngineConfig(kv="int4", chunk_tokens=64, prefix_cache=False)) as e:
+        r = e.submit(prompts(1, length=300)[0], SamplingParams(max_tokens=50, temperature=0,
+                                                               ignore_eos=True))
+        events = []
+        r.listener = events.append
+        for _ in range(6):
+            e.step()
+        assert e.pool.pages > 0
+        e.abort(r.id)
+        e.step()
+        assert r.finish_reason == "abort" and r.done.is_set() and events[-1].finished
+        assert e.pool.pages == 0 and e.pool.device_bytes == 0 and e.device_bytes() == 0
+
+
+def test_seeded_sampling_is_reproducible(model):
+    sp = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    a, _ = run(model, prompts(2), params=sp)
+    b, _ = run(model, prompts(2), params=sp)
+    assert a == b
+
+
+def test_background_thread_and_listener(model):
+    with Engine(model, None, EngineConfig(kv="int4")) as e:
+        e.start()
+        events = []
+        r = e.submit(prompts(1)[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                     listener=events.append)
+        assert r.done.wait(30)
+        assert [ev.token_id for ev in events] == r.output_ids
+        assert events[-1].finished and events[-1].finish_reason == "length"
+        assert r.stats["ttft_s"] > 0 and r.stats["output_tokens"] == 5
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(kv="int5"), "unknown KV preset"),
+    (dict(kv_budget="lots"), "kv_budget"),
+    (dict(kv_budget=0), "kv_budget"),
+    (dict(chunk_tokens=100, kv="int4"), "multiple of the KV config's block_size"),
+    (dict(step_tokens=8), "step_tokens"),
+    (dict(preempt="swap"), "needs a lower tier"),
+    (dict(preempt="later"), "preempt"),
+    (dict(offload="device@1GiB"), "device is the KV budget"),
+    (dict(max_running=0), "max_running"),
+])
+def test_bad_engine_config_is_refused(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**cfg).check()
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "empty"),
+    ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1, 2], SamplingParams(temperature=-1), "temperature"),
+    ([1, 2], SamplingParams(top_p=0), "top_p"),
+    ([1, 2], SamplingParams(stop=[""]), "stop"),
+    ([1, 999], SamplingParams(), "0..271"),
+    ([1] * 4000, SamplingParams(max_tokens=200), "4200 tokens.*4096"),
+])
+def test_bad_request_is_refused_before_queueing(model, prompt, params, match):
+    with Engine(model, None, EngineConfig(kv="int4")) as e:
+        with pytest.raises(ValueError, match=match):
+            e.submit(prompt, params)
+        assert e.metrics()["waiting"] == 0
+
+
+def test_sliding_window_models_are_refused_by_name():
+    m = tiny_random("mistral")
+    m.config.sliding_window = 16
+    with pytest.raises(ValueError, match="full-attention"):
+        Engine(m, None, EngineConfig(kv="int4"))
