@@ -81,6 +81,7 @@ G = "generate", "hi"  # generate's prompt
 Q = "quantize", "--out", "{T}/q"  # quantize's required --out
 QG = "quantize", "--out", "{T}/q.gguf"  # ... with --format gguf
 M = "--model", "{D}/model"
+S = "serve", "{D}/model"  # serve's MODEL
 # (command line, the option the one-line error must name); {D}: inputs, {T}: the test's tmp dir
 ROWS = [
     # ---------------------------------------------------------------- plan
@@ -339,6 +340,39 @@ ROWS = [
     (("quantize", *M), "--out"),
     ((*Q, *M, "--symmetric=1"), "--symmetric"),
     ((*Q, *M, "--json=1"), "--json"),
+    # ---------------------------------------------------------------- serve
+    (("serve", "no-such-model"), "MODEL"),
+    (("serve", "{D}/plain"), "MODEL"),
+    (("serve", "{D}/bad.gguf"), "MODEL"),
+    (("serve", ""), "MODEL"),
+    ((*S, "--kv", "int9"), "--kv"),
+    ((*S, "--kv", ""), "--kv"),
+    ((*S, "--kv-budget", "0"), "--kv-budget"),
+    ((*S, "--kv-budget", "lots"), "--kv-budget"),
+    ((*S, "--kv-budget", "1e99GiB"), "--kv-budget"),
+    ((*S, "--offload", "floppy"), "--offload"),
+    ((*S, "--offload", ""), "--offload"),
+    ((*S, "--offload", "device"), "--offload"),
+    ((*S, "--offload", "disk:/dev/null/kv"), "--offload"),
+    ((*S, "--max-running", "0"), "--max-running"),
+    ((*S, "--max-running", "x"), "--max-running"),
+    ((*S, "--max-running", "99999"), "--max-running"),
+    ((*S, "--chunk-tokens", "0"), "--chunk-tokens"),
+    ((*S, "--chunk-tokens", "100"), "--chunk-tokens"),  # not a multiple of best-4's block size
+    ((*S, "--chunk-tokens", "1.5"), "--chunk-tokens"),
+    ((*S, "--preempt", "sometimes"), "--preempt"),
+    ((*S, "--preempt", "swap"), "--preempt"),  # nothing to swap to without --offload
+    ((*S, "--no-prefix-cache=1"), "--no-prefix-cache"),
+    ((*S, "--model-name", ""), "--model-name"),
+    ((*S, "--model-name", "a\tb"), "--model-name"),
+    ((*S, "--host", ""), "--host"),
+    ((*S, "--host", "999.1.1.1"), "--host"),
+    ((*S, "--host", "no such host"), "--host"),
+    ((*S, "--port", "-1"), "--port"),
+    ((*S, "--port", "70000"), "--port"),
+    ((*S, "--port", "http"), "--port"),
+    ((*S, "--threads", "0"), "--threads"),
+    ((*S, "--threads", "x"), "--threads"),
     # ---------------------------------------------------------------- presets and the top level
     (("presets", "--head-dim", "12"), "--head-dim"),
     (("presets", "--head-dim", "0"), "--head-dim"),
@@ -364,7 +398,7 @@ def _assert_clean(rc, err, row, option):
     lines = err.strip().splitlines()
     assert rc == 2, (row, rc, err)
     assert len(lines) == 1 and "Traceback" not in err, (row, err)
-    prog = "lessmem" if row[0] not in ("plan", "explore", "eval", "generate", "quantize", "presets") \
+    prog = "lessmem" if row[0] not in ("plan", "explore", "eval", "generate", "quantize", "presets", "serve") \
         else f"lessmem {row[0]}"
     assert lines[0].startswith(f"{prog}: error: "), (row, err)
     assert option in lines[0], (row, option, err)
@@ -389,7 +423,7 @@ def test_table_covers_every_option():
     from lessmem.cli import COMMANDS, build_parser
 
     tried = {(r[0], a.split("=")[0]) for r, _ in ROWS for a in r if a.startswith("--")}
-    tried |= {("generate", "prompt")}
+    tried |= {("generate", "prompt"), ("serve", "model")}
     missing = []
     for cmd, (module, _) in COMMANDS.items():
         parser = build_parser(cmd)
@@ -445,6 +479,8 @@ FUZZ = {  # command -> (fixed arguments, options whose values are fuzzed)
     "quantize": (("--out", "{T}/q", *M), ("--method", "--bits", "--group-size", "--calibration", "--n-samples",
                                           "--seq-len", "--alpha", "--iters", "--lp-norm", "--format", "--type")),
     "presets": ((), ("--head-dim",)),
+    "serve": (("{D}/model",), ("--kv", "--kv-budget", "--offload", "--max-running", "--chunk-tokens", "--preempt",
+                               "--model-name", "--port", "--threads")),
 }
 NUMBERS = st.sampled_from(["0", "-1", "1", "2", "8", "64", "1.5", "1e3", "1e99", "inf", "-inf", "nan",
                            "99999999999", "16k", "1m", "4GiB", "1e99GiB", "25GB/s", "0x10", " 7 ", "",
@@ -536,7 +572,8 @@ def test_real_bugs_keep_their_traceback(monkeypatch, capsys):
 
 FLAGS = {"plan": ("--json", "--list", "--keep-embeddings", "--no-prefetch"), "explore": ("--json", "--list-tensors"),
          "eval": ("--json", "--full", "--no-progress", "--no-prefetch"), "generate": ("--sample", "--raw", "--no-prefetch"),
-         "quantize": ("--json", "--symmetric", "--group-fallback"), "presets": ("--json",)}
+         "quantize": ("--json", "--symmetric", "--group-fallback"), "presets": ("--json",),
+         "serve": ("--no-prefix-cache",)}
 
 
 @settings(max_examples=int(os.environ.get("LESSMEM_FUZZ_EXAMPLES", 60)), deadline=None,
