@@ -440,9 +440,7 @@ def create_app(engine, tok, *, owns_engine: bool = True, describe: str | None = 
         pending = submit(prompt_ids, params, rid, prompt_param)
         shape = _Shape(kind, rid, model_name, len(prompt_ids))
         if opts["stream"]:
-            return StreamingResponse(_sse(engine, pending, shape, opts["include_usage"]),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(engine, pending, _sse(pending, shape, opts["include_usage"]))
         return JSONResponse(await _collect(engine, pending, shape, request))
 
     @app.post("/v1/completions")
@@ -508,26 +506,38 @@ def _data(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _sse(engine, pending: _Pending, shape: _Shape, include_usage: bool):
-    """The SSE byte stream of one request; a stream closed before the end aborts it."""
-    done = False
-    try:
-        if shape.kind == "chat":
-            yield _data(shape.chunk("", first=True, with_usage=include_usage))
-        while True:
-            ev = await pending.queue.get()
-            if ev.text:
-                yield _data(shape.chunk(ev.text, with_usage=include_usage))
-            if ev.finished:
-                done = True
-                yield _data(shape.chunk(None, ev.finish_reason, with_usage=include_usage))
-                if include_usage:
-                    yield _data(shape.usage_chunk(shape.usage(pending)))
-                yield b"data: [DONE]\n\n"
-                return
-    finally:
-        if not done:  # the client went away (the stream was cancelled or closed): free its blocks
-            engine.abort(pending.id)
+async def _sse(pending: _Pending, shape: _Shape, include_usage: bool):
+    """The SSE byte stream of one request."""
+    if shape.kind == "chat":
+        yield _data(shape.chunk("", first=True, with_usage=include_usage))
+    while True:
+        ev = await pending.queue.get()
+        if ev.text:
+            yield _data(shape.chunk(ev.text, with_usage=include_usage))
+        if ev.finished:
+            yield _data(shape.chunk(None, ev.finish_reason, with_usage=include_usage))
+            if include_usage:
+                yield _data(shape.usage_chunk(shape.usage(pending)))
+            yield b"data: [DONE]\n\n"
+            return
+
+
+class _EventStream(StreamingResponse):
+    """``text/event-stream`` of one request that aborts it in the engine however the
+    response ends before the request does: the client went away (starlette cancels the
+    stream, even before its first byte), a send failed, or the server is shutting down."""
+
+    def __init__(self, engine, pending: _Pending, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.engine, self.pending = engine, pending
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.pending.finished:  # its blocks are freed at the engine's next step
+                self.engine.abort(self.pending.id)
 
 
 async def _collect(engine, pending: _Pending, shape: _Shape, request: Request) -> dict:
