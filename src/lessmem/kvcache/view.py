@@ -49,6 +49,7 @@ def _fp_attention(q, k, v, mask, scaling):
 
 
 FUSED_MAX_QUERIES = 32  # up to this many query tokens, one C++ call does everything
+PREFILL_DEQUANT_QUERIES = 64  # from this many (unmasked), dequantize the history and use flash attention
 
 
 def _rot_matrix(rot, device) -> torch.Tensor:
@@ -130,6 +131,19 @@ class LayerView:
             out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
         return out_f + out_h
 
+    def _attend_dequantized(self, qf, scaling):
+        """A long chunk of queries (prefill): the work is the Tq × L scores, not reading the
+        history, so the history is dequantized once (this layer's, for this call only) and
+        one flash-attention call covers every position, causal within the current chunk."""
+        k, v = self.materialize()
+        k, v = k.float(), v.float()
+        Tq, L = qf.shape[2], k.shape[2]
+        cols = torch.arange(L, device=qf.device)
+        rows = torch.arange(Tq, device=qf.device) + (L - Tq)
+        m = _additive(cols[None, :] <= rows[:, None])[None, None]
+        out, _ = _fp_attention(qf, k, v, m, scaling)
+        return out
+
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] (q's dtype) for queries q [B, Hq, Tq, D].
 
@@ -145,6 +159,8 @@ class LayerView:
             out = self._attend_one_call(qf, kf, vf, mask, scaling, L)
             if out is not None:
                 return out.to(q.dtype)
+        if nh and mask is None and Tq >= PREFILL_DEQUANT_QUERIES:
+            return self._attend_dequantized(qf, scaling).to(q.dtype)
         if mask is not None:
             m = _additive(mask)[..., -Tq:, :]
             if m.shape[-1] != L:
