@@ -267,6 +267,66 @@ def check_first_run(data: dict, fresh: bool) -> None:
     positive(data, "contended_vs_quiet_wall", "result")
 
 
+def check_serve(data: dict, fresh: bool) -> None:
+    h = check_header(data)
+    need(h, "command", str, "header")
+    quick = need(h, "quick", bool, "header")
+    n, p, g = (need(h, k, int, "header") for k in ("requests", "prompt_tokens", "new_tokens"))
+    budget = need(h, "kv_budget_bytes", int, "header")
+    assert n > 0 and p > 0 and g > 0 and budget > 0, h
+    assert budget == need(h, "fit_fp16_requests", int, "header") * (p + g) * need(
+        h, "fp16_kv_bytes_per_token", int, "header"), "KV budget not sized by the fp16 rule"
+    rows = need(data, "rows", list, "result")
+    lm = [r for r in rows if str(r.get("engine", "")).startswith("lessmem")]
+    assert {"fp16", "best-4"} <= {r.get("kv") for r in lm}, "the fp16 and best-4 rows are missing"
+    engines = {r.get("engine", "") for r in rows}
+    assert any("one by one" in e for e in engines) and any("generate_batch" in e for e in engines), engines
+    for i, r in enumerate(rows):
+        w = f"rows[{i}] ({r.get('engine')} {r.get('kv')} {r.get('offload')} {r.get('scenario')})"
+        for key in ("engine", "kv", "scenario"):
+            need(r, key, str, w)
+        need(r, "offload", (str, type(None)), w)
+        if "error" in r:  # a peer that could not run here says why instead of a number
+            assert "lessmem" not in r["engine"] and need(r, "error", str, w), f"{w}: {r.get('error')}"
+            continue
+        assert need(r, "requests", int, w) == n and need(r, "prompt_tokens", int, w) == p
+        assert need(r, "new_tokens", int, w) == g
+        assert 1 <= need(r, "max_running", int, w) <= n, f"{w}: max_running {r['max_running']}"
+        positive(r, "output_tok_s", w)
+        for m in ("ttft", "tpot"):
+            lo, hi = positive(r, f"{m}_p50_s", w), positive(r, f"{m}_p99_s", w)
+            assert lo <= hi, f"{w}: {m} p50 {lo} > p99 {hi}"
+        tiers = need(r, "kv_bytes_by_tier", dict, w)
+        assert need(tiers, "device", int, f"{w}.kv_bytes_by_tier") > 0, f"{w}: no KV bytes on the device"
+        if r.get("prefix_hit_rate") is not None:  # generate_batch does not expose its prefix hits
+            fraction(r, "prefix_hit_rate", w)
+        checked, matched = need(r, "alone_checked", int, w), need(r, "matches_alone", int, w)
+        assert 0 <= matched <= checked, f"{w}: {matched}/{checked}"
+        if r not in lm:
+            continue
+        assert checked > 0 and matched == checked, f"{w}: only {matched}/{checked} outputs equal the request run alone"
+        assert need(r, "output_tokens", int, w) == n * g, f"{w}: {r['output_tokens']} output tokens, not {n}x{g}"
+        assert tiers["device"] <= budget, f"{w}: device KV {tiers['device']} B over the budget {budget} B"
+        assert need(r, "kv_device_peak_bytes", int, w) <= budget, f"{w}: device KV peak over the budget"
+        assert r.get("over_budget_steps") in (0, None), f"{w}: {r['over_budget_steps']} steps over the budget"
+        if r["offload"] is None:
+            assert sum(need(tiers, t, int, w) for t in ("host", "disk", "redis")) == 0, f"{w}: {tiers}"
+        if r["scenario"] == "shared-prefix":
+            assert r["prefix_hit_rate"] > 0, f"{w}: the shared prefix never hit"
+            prefills = need(r, "shared_prefix_prefills", NUM, w)
+            assert prefills <= 1.0 + 1e-9, f"{w}: the shared prefix was computed {prefills} times"
+    assert any(r["scenario"] == "shared-prefix" for r in lm), "no shared-prefix row"
+    derived = need(data, "derived", dict, "result")
+    for key in ("best4_vs_fp16_max_running", "best4_vs_one_by_one_tok_s"):
+        positive(derived, key, "derived")
+    targets = need(data, "targets", list, "result")
+    assert len(targets) == 4, targets
+    for i, t in enumerate(targets):
+        ok = need(t, "pass", bool, f"targets[{i}]")
+        if not quick:  # the tiny --quick shapes cannot show the ratios; a full run must
+            assert ok, f"target missed: {t}"
+
+
 CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_formats.py": check_formats,
     "bench_gguf_linear.py": check_gguf_linear,
@@ -277,6 +337,7 @@ CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_kv_quality.py": check_kv_quality,
     "bench_contention.py": check_contention,
     "bench_first_run.py": check_first_run,
+    "bench_serve.py": check_serve,
 }
 RECORDED = {  # recorded full-run result -> its benchmark
     "bench_formats.json": "bench_formats.py",
@@ -295,6 +356,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "bench_kv_quality_16w.json": "bench_kv_quality.py",
     "bench_contention.json": "bench_contention.py",
     "bench_first_run.json": "bench_first_run.py",
+    "serve.json": "bench_serve.py",
 }
 
 
@@ -352,6 +414,10 @@ BROKEN = [  # (recorded file, an edit that a broken benchmark could have made)
     ("bench_kv_quality.json", _set(("rows", 0, "kld"), 0.1)),
     ("bench_kv_quality.json", _set(("passkey", "results", "best-4", "found"), 4)),
     ("bench_kv_quality.json", _set(("rows",), [])),
+    ("serve.json", _set(("rows", 2, "matches_alone"), 0)),
+    ("serve.json", _set(("rows", 2, "kv_bytes_by_tier", "device"), 10**12)),
+    ("serve.json", _set(("rows", 3, "ttft_p50_s"), float("nan"))),
+    ("serve.json", _set(("targets", 0, "pass"), False)),
 ]
 
 
