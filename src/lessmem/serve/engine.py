@@ -28,7 +28,6 @@ configured format over the engine's one :class:`~.paged.PagePool`.
 Example:
     >>> import lessmem
     >>> from lessmem.models import tiny_random
-    >>> from transformers import AutoTokenizer  # doctest: +SKIP
     >>> engine = Engine(tiny_random("llama"), None, EngineConfig(kv="int4", kv_budget="4MiB"))
     >>> reqs = [engine.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0)) for _ in range(3)]
     >>> while engine.step():
@@ -41,7 +40,6 @@ Example:
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 import sys
 import threading
@@ -49,168 +47,22 @@ import time
 import uuid
 import warnings
 from collections import deque
-from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..base.units import parse_bytes
 from ..kvcache.attention import enable
 from ..kvcache.cache import cache_kwarg
-from ..kvcache.config import KVConfig
 from ..kvcache.identity import model_fingerprint
-from ..kvcache.presets import PRESETS, resolve
 from ..kvcache.shape import head_dim as model_head_dim
-from ..offload import build_tiers, parse_offload_spec
+from ..offload import build_tiers
 from .batch import BatchCache, RowPlan, Segment
+from .config import EngineConfig, SamplingParams
 from .paged import PagedKVCache, PagePool
 from .prefix import PrefixCache
+from .request import Request, TokenEvent
+from .text import sample, text_delta
 
-PREEMPT = ("auto", "swap", "recompute")
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-def _int(name: str, v, lo: int, hi: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo or (hi is not None and v > hi):
-        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name}={v!r}; allowed: an integer {rng}")
-    return int(v)
-
-
-def _float(name: str, v, lo: float, hi: float, lo_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) \
-            or v < lo or v > hi or (lo_open and v == lo):
-        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise ValueError(f"{name}={v!r}; allowed: a number in {rng}")
-    return float(v)
-
-
-def kv_config_for(kv) -> KVConfig:
-    """The KV config the engine stores: a preset or a KVConfig; ``"fp16"`` really holds
-    fp16 (the preset keeps the model's dtype)."""
-    if isinstance(kv, str) and kv == "fp16":
-        return replace(PRESETS["fp16"], window_dtype="fp16")
-    return resolve(kv)
-
-
-@dataclass
-class EngineConfig:
-    """What the engine serves with (see the module doc). :meth:`check` validates and
-    normalizes it without a model, so a command line can refuse bad input first."""
-
-    kv: str | KVConfig = "best-4"
-    kv_budget: int | str | None = None
-    offload: str | list | None = None
-    max_running: int = 64
-    chunk_tokens: int = 256
-    step_tokens: int = 512
-    preempt: str = "auto"
-    prefix_cache: bool = True
-    batch_invariant: bool = True
-
-    def check(self) -> EngineConfig:
-        kv = kv_config_for(self.kv)
-        budget = None if self.kv_budget is None else parse_bytes(self.kv_budget, "kv_budget")
-        if budget is not None and budget <= 0:
-            raise ValueError(f"kv_budget={self.kv_budget!r}; allowed: a positive size or None (unbounded)")
-        specs = parse_offload_spec(self.offload) if isinstance(self.offload, str) else self.offload
-        if specs is not None and not isinstance(specs, list):
-            raise ValueError(f"offload={self.offload!r}; allowed: None or a tier spec such as "
-                             "'host@2GiB,disk:/var/kv'")
-        if specs and any(getattr(s, "kind", None) == "device" for s in specs):
-            raise ValueError(f"offload={self.offload!r}: the device is the KV budget itself; "
-                             "allowed: host, disk and Redis tiers")
-        _int("max_running", self.max_running, 1)
-        _int("chunk_tokens", self.chunk_tokens, 1)
-        if self.chunk_tokens % kv.block_size:
-            raise ValueError(f"chunk_tokens={self.chunk_tokens}; allowed: a multiple of the KV "
-                             f"config's block_size {kv.block_size}")
-        _int("step_tokens", self.step_tokens, self.chunk_tokens)
-        if self.preempt not in PREEMPT:
-            raise ValueError(f"preempt={self.preempt!r}; allowed: {', '.join(PREEMPT)}")
-        if self.preempt == "swap" and not specs:
-            raise ValueError("preempt='swap' needs a lower tier to swap to; allowed: offload= a "
-                             "tier spec, or preempt='recompute'/'auto'")
-        for name in ("prefix_cache", "batch_invariant"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: True or False")
-        return replace(self, kv=kv, kv_budget=budget, offload=specs or None)
-
-
-@dataclass
-class SamplingParams:
-    """How a request's tokens are chosen and when it ends. ``temperature=0``: greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-
-    def check(self) -> SamplingParams:
-        _int("max_tokens", self.max_tokens, 1)
-        _float("temperature", self.temperature, 0.0, 100.0)
-        _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stop is not None and (not isinstance(stop, (list, tuple)) or
-                                 not all(isinstance(s, str) and s for s in stop)):
-            raise ValueError(f"stop={self.stop!r}; allowed: None, a non-empty string or a list of them")
-        if self.seed is not None:
-            _int("seed", self.seed, 0, 2 ** 63 - 1)
-        if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple)) or any(
-                isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in self.stop_token_ids)):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}; allowed: None or a list of token ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r}; allowed: True or False")
-        return replace(self, stop=list(stop) if stop else None)
-
-
-@dataclass
-class TokenEvent:
-    """One new token of a request (``token_id``), or its end (``finished``)."""
-
-    request_id: str
-    token_id: int | None
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-
-
-@dataclass
-class Request:
-    """A request as the engine tracks it; read ``output_ids``, ``text``, ``finish_reason``
-    and ``stats`` after ``done`` is set."""
-
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    listener: object = None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    state: str = "waiting"
-    cache: PagedKVCache | None = None
-    n_cached: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None
-    t_last: float | None = None
-    cached_tokens: int = 0
-    preemptions: int = 0
-    swap_key: str | None = None
-    emitted: int = 0
-    order: int = 0
-    generator: torch.Generator | None = None
-    hashes: list[str] | None = None  # chained hash of each whole prompt chunk (prefix cache)
-
-    @property
-    def stats(self) -> dict:
-        n = len(self.output_ids)
-        return dict(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens,
-                    output_tokens=n, preemptions=self.preemptions,
-                    ttft_s=None if self.t_first is None else self.t_first - self.arrival,
-                    tpot_s=(self.t_last - self.t_first) / (n - 1) if n > 1 else None)
 
 
 class Engine:
@@ -454,16 +306,23 @@ class Engine:
                 req = src[0]
             if req.state == "swapped":
                 need = self._need(req) + self._outstanding() + self._watermark()
-                if not self._fits(need) and not self._make_room(need, admitting=True):
+                if not self._fits(need) and not self._make_room(need):
                     return
                 with self._lock:
                     src.popleft()
                 if not req.cache.swap_in(self.swap_tier, req.swap_key):
                     self._reset_for_recompute(req)
                 req.swap_key = None
-            else:  # room for its whole prompt, what the others' prompts still add, a block each
-                need = self.request_bytes(len(req.prompt_ids) + 1) + self._outstanding() + self._watermark()
-                if not self._fits(need) and not self._make_room(need, admitting=True):
+            else:  # room for its whole prompt (less a prefix it will share), what the others'
+                # prompts still add, a block each
+                p, key = 0, None
+                if self.prefix is not None:
+                    if req.hashes is None:
+                        req.hashes = self.prefix.chunk_hashes(req.prompt_ids)
+                    p, key = self.prefix.peek(req.prompt_ids, req.hashes)
+                need = self.request_bytes(len(req.prompt_ids) + 1) - (self.request_bytes(p) if p else 0) \
+                    + self._outstanding() + self._watermark()
+                if not self._fits(need) and not self._make_room(need, {key}):
                     if self.running or self.config.kv_budget is None:
                         return
                     # nothing runs and it still does not fit: run it anyway (counted), never deadlock
@@ -480,11 +339,23 @@ class Engine:
         req.n_cached = 0
         self.counters["recomputes"] += 1
 
-    def _make_room(self, need: int, admitting: bool = False) -> bool:
-        """Free device bytes until ``need`` more fit: prefix snapshots, then (with a lower
-        tier) pages of running requests; True when it fits."""
+    def _wanted(self) -> set[str]:
+        """Snapshots a running request may still start from (kept while others go)."""
+        C = self.config.chunk_tokens
+        return {h for r in self.running if r.hashes is not None and r.n_cached < len(r.prompt_ids)
+                for h in r.hashes[r.n_cached // C:]}
+
+    def _make_room(self, need: int, protect=()) -> bool:
+        """Free device bytes until ``need`` more fit: prefix snapshots (not those in
+        ``protect`` or wanted by running requests), then (with a lower tier) pages of
+        running requests; True when it fits. Without a lower tier nothing is evicted
+        unless evicting is enough."""
+        protect = set(protect) | self._wanted() if self.prefix is not None else set()
+        if self.swap_tier is None and self.prefix is not None \
+                and not self._fits(need - self.prefix.freeable(protect)):
+            return False
         while not self._fits(need):
-            if self.prefix is not None and self.prefix.evict():
+            if self.prefix is not None and self.prefix.evict(protect):
                 continue
             if self.swap_tier is None or not self._demote_one():
                 return False
@@ -613,12 +484,12 @@ class Engine:
 
     def _forward(self, batch) -> None:
         ids, pos, segments, keep, samplers = [], [], [], [], []
-        for r, toks, is_chunk, sample in batch:
+        for r, toks, is_chunk, due in batch:
             s = len(ids)
             ids.extend(toks)
             pos.extend(range(r.n_cached, r.n_cached + len(toks)))
             segments.append(Segment(s, len(ids), r.cache, is_chunk))
-            if sample:
+            if due:
                 keep.append(len(ids) - 1)
                 samplers.append(r)
         self.counters["max_running"] = max(self.counters["max_running"], len(self.running))
@@ -647,19 +518,7 @@ class Engine:
         if samplers:
             logits = out.logits[0, :len(samplers)].float()
             for row, r in zip(logits, samplers, strict=True):
-                self._accept(r, self._sample(row, r))
-
-    def _sample(self, logits: torch.Tensor, r: Request) -> int:
-        p = r.params
-        if p.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sp, idx = torch.sort(probs, descending=True)
-            cut = torch.cumsum(sp, 0) - sp >= p.top_p
-            sp[cut] = 0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sp)
-        return int(torch.multinomial(probs, 1, generator=r.generator))
+                self._accept(r, sample(row, r.params, r.generator))
 
     def _accept(self, r: Request, token: int) -> None:
         now = time.perf_counter()
@@ -672,9 +531,9 @@ class Engine:
         stops = p.stop_token_ids if p.stop_token_ids is not None else ([] if p.ignore_eos else self._eos)
         if token in stops:
             self.running.remove(r)
-            self._finish(r, "stop", token, self._text_delta(r, final=True, drop_last=True))
+            self._finish(r, "stop", token, text_delta(self.tok, r, final=True, drop_last=True))
             return
-        delta, stopped = self._text_delta(r), False
+        delta, stopped = text_delta(self.tok, r), False
         if p.stop and self.tok is not None:
             full = r.text
             for s in p.stop:
@@ -683,33 +542,13 @@ class Engine:
                     r.text, stopped = full[:i], True
         if stopped:
             self.running.remove(r)
-            self._finish(r, "stop", token, self._text_delta(r, final=True, recompute=False))
+            self._finish(r, "stop", token, text_delta(self.tok, r, final=True, recompute=False))
             return
         if len(r.output_ids) >= p.max_tokens:
             self.running.remove(r)
-            self._finish(r, "length", token, delta + self._text_delta(r, final=True, recompute=False))
+            self._finish(r, "length", token, delta + text_delta(self.tok, r, final=True, recompute=False))
             return
         self._emit(r, TokenEvent(r.id, token, delta))
-
-    def _text_delta(self, r: Request, final: bool = False, drop_last: bool = False,
-                    recompute: bool = True) -> str:
-        """The text not yet reported (holding back what a stop string may still claim and
-        an incomplete character), ``r.text`` updated."""
-        if self.tok is None:
-            return ""
-        if recompute:
-            ids = r.output_ids[:-1] if drop_last else r.output_ids
-            r.text = self.tok.decode(ids, skip_special_tokens=True)
-        end = len(r.text)
-        if not final:
-            if r.text.endswith("\ufffd"):
-                end -= 1
-            if r.params.stop:
-                end -= max(len(s) for s in r.params.stop) - 1
-        end = max(end, r.emitted)
-        delta = r.text[r.emitted:end]
-        r.emitted = end
-        return delta
 
     # ---- running ------------------------------------------------------------------------
     def start(self) -> None:

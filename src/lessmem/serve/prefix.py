@@ -116,11 +116,29 @@ class PrefixCache:
                     return p, states
         return 0, None
 
-    def evict(self) -> bool:
-        """Drop the least recently used snapshot; False when there is none."""
-        if not self.entries:
+    def peek(self, prompt: list[int], hashes: list[str]) -> tuple[int, str | None]:
+        """(p, key) of the longest snapshot held in this process for ``prompt`` (no tier
+        read, nothing counted), or (0, None)."""
+        for i in range(len(hashes) - 1, -1, -1):
+            if (i + 1) * self.chunk < len(prompt) and hashes[i] in self.entries:
+                return (i + 1) * self.chunk, hashes[i]
+        return 0, None
+
+    def freeable(self, protect=()) -> int:
+        """Device bytes evicting every snapshot but ``protect`` would free (pages held by
+        nothing else, and the snapshots' full-precision parts)."""
+        n = 0
+        for h, (_, states, nb) in self.entries.items():
+            if h not in protect:
+                n += nb + sum(p.nbytes for s in states for p in s["pages"] if p.refs == 1 and p.on_device)
+        return n
+
+    def evict(self, protect=()) -> bool:
+        """Drop the least recently used snapshot not in ``protect``; False when there is none."""
+        victim = next((h for h in self.entries if h not in protect), None)
+        if victim is None:
             return False
-        _, (_, states, nb) = self.entries.popitem(last=False)
+        _, states, nb = self.entries.pop(victim)
         self.fp_bytes -= nb
         release_snapshot(self.pool, states)
         return True

@@ -55,7 +55,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lessmem.serve.engine import SamplingParams
+from lessmem.serve import SamplingParams
 from lessmem.serve.metrics import CONTENT_TYPE, ServeMetrics
 
 MAX_STOP = 16  # stop strings per request
