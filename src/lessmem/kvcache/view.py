@@ -81,9 +81,11 @@ class LayerView:
 
     def _fp_parts(self, dtype):
         parts = [p for p in (self.sinks, self.window, self.current) if p is not None and p[0].shape[2]]
-        k = torch.cat([p[0].to(dtype) for p in parts], dim=2)
-        v = torch.cat([p[1].to(dtype) for p in parts], dim=2)
-        return k, v
+        if len(parts) == 1:
+            return parts[0][0].to(dtype), parts[0][1].to(dtype)
+        k = torch.cat([p[0] for p in parts], dim=2)  # (cat promotes fp16 parts to the widest dtype)
+        v = torch.cat([p[1] for p in parts], dim=2)
+        return k.to(dtype), v.to(dtype)
 
     def dequantized_history(self, dtype=torch.float32):
         """Keys and values of the history in float [B, H, Nh, D] (dequantized path only)."""

@@ -68,9 +68,9 @@ class BatchCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         views = []
-        for s in self.segments:
-            k, v = s.cache.update(key_states[:, :, s.start:s.end], value_states[:, :, s.start:s.end],
-                                  layer_idx)
+        for s in self.segments:  # the request's layer itself: the engine's tensors need no checks
+            k, v = s.cache.layers[layer_idx].update(key_states[:, :, s.start:s.end],
+                                                    value_states[:, :, s.start:s.end])
             views.append(k if hasattr(k, "attend") else LayerView(None, None, None, (k, v)))
         view = BatchView(views, self.segments)
         return view, view

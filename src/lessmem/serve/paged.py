@@ -72,6 +72,7 @@ class PagePool:
         self.device_bytes = 0  # bytes of the pages held on the device
         self.part_bytes: dict[str, int] = {}  # the same, by part name (k_codes, v_scale...)
         self.pages = 0  # live pages (referenced at least once)
+        self.epoch = 0  # changes whenever a page leaves or returns to the device
 
     def add(self, parts: dict[str, torch.Tensor]) -> Page:
         page = Page(parts)
@@ -93,6 +94,7 @@ class PagePool:
         if page.refs > 0:
             return
         self.pages -= 1
+        self.epoch += 1
         if page.on_device:
             self._count(page, -1)
             page.parts = None
@@ -118,6 +120,7 @@ class PagePool:
             return False
         self._count(page, -1)
         page.parts, page.where, page.key = None, tier, key
+        self.epoch += 1
         return True
 
     def _read(self, page: Page) -> dict | None:
@@ -149,6 +152,7 @@ class PagePool:
             pass
         page.parts, page.staged, page.where, page.key = parts, None, None, None
         self._count(page, +1)
+        self.epoch += 1
         return True
 
 
@@ -164,6 +168,7 @@ class PagedKVLayer(QuantizedKVLayer):
             self.pool.unref(page)
         self.pages: list[Page] = []
         self._formats = None
+        self._hist = None  # (key, the history as attention reads it) while the pages stay put
         super().reset()
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -194,10 +199,20 @@ class PagedKVLayer(QuantizedKVLayer):
                 parts[name] = t[:, :, t0 // tg:(t0 + B) // tg].contiguous()
             self.pages.append(self.pool.ref(self.pool.add(parts)))
         self.n_history += n
+        self._hist = None
 
     def read_history(self) -> QuantKV | SegmentedKV | None:
         if not self.pages:
             return None
+        key = (len(self.pages), self.pool.epoch)
+        if self._hist is not None and self._hist[0] == key:
+            return self._hist[1]
+        hist = self._read_pages()
+        if all(p.on_device for p in self.pages):  # staged pages change every step: not kept
+            self._hist = (key, hist)
+        return hist
+
+    def _read_pages(self) -> QuantKV | SegmentedKV:
         D = self.head_dim
 
         def kv(p):
@@ -265,7 +280,7 @@ class PagedKVLayer(QuantizedKVLayer):
         for k in self._STATE:
             setattr(self, k, state[k])
         self.pages = [self.pool.ref(p) for p in state["pages"]]
-        self._formats = None
+        self._formats = self._hist = None
 
 
 def release_snapshot(pool: PagePool, states: list[dict]) -> None:
