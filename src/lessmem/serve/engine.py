@@ -54,7 +54,7 @@ from ..kvcache.attention import enable
 from ..kvcache.cache import cache_kwarg
 from ..kvcache.identity import model_fingerprint
 from ..kvcache.shape import head_dim as model_head_dim
-from ..offload import build_tiers
+from ..offload import TierUnavailableError, build_tiers
 from .batch import BatchCache, RowPlan, Segment
 from .config import EngineConfig, SamplingParams
 from .paged import PagedKVCache, PagePool
@@ -115,7 +115,8 @@ class Engine:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()  # the queues, shared with submitting threads
+        self._step_lock = threading.RLock()  # a step's changes, against metrics() from other threads
         self._aborts: set[str] = set()
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
@@ -124,8 +125,12 @@ class Engine:
                              requests_finished=0, preemptions=0, demoted_pages=0, max_running=0,
                              peak_device_bytes=0, over_budget_steps=0, recomputes=0, step_seconds=0.0)
         self.finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
-        eos = getattr(tok, "eos_token_id", None) if tok is not None else getattr(model.config, "eos_token_id", None)
-        self._eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self._eos = []  # the tokenizer's end token and the generation config's (a chat turn's end)
+        for eos in (getattr(tok, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                    getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+            for t in ([eos] if isinstance(eos, int) else list(eos or [])):
+                if t not in self._eos:
+                    self._eos.append(t)
 
     # ---- requests -------------------------------------------------------------------
     def check_request(self, prompt_ids, params: SamplingParams) -> tuple[list[int], SamplingParams]:
@@ -457,6 +462,10 @@ class Engine:
     def step(self) -> int:
         """One scheduler step (module doc); returns the number of requests still
         unfinished (0: idle)."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> int:
         t0 = time.perf_counter()
         self._take_aborts()
         self._admit()
@@ -533,14 +542,15 @@ class Engine:
             self.running.remove(r)
             self._finish(r, "stop", token, text_delta(self.tok, r, final=True, drop_last=True))
             return
-        delta, stopped = text_delta(self.tok, r), False
+        prev = r.emitted
+        delta, cut = text_delta(self.tok, r), None
         if p.stop and self.tok is not None:
-            full = r.text
-            for s in p.stop:
-                i = full.find(s, max(0, r.emitted - len(s)))
-                if i >= 0:
-                    r.text, stopped = full[:i], True
-        if stopped:
+            for s in p.stop:  # the earliest stop string in the text not reported before
+                i = r.text.find(s, max(0, prev - len(s) + 1))
+                if i >= 0 and (cut is None or i < cut):
+                    cut = i
+        if cut is not None:
+            r.text, r.emitted = r.text[:cut], min(prev, cut)
             self.running.remove(r)
             self._finish(r, "stop", token, text_delta(self.tok, r, final=True, recompute=False))
             return
@@ -610,13 +620,18 @@ class Engine:
         return reqs
 
     def metrics(self) -> dict:
-        """What the engine holds and has done (see :mod:`lessmem.serve`)."""
+        """What the engine holds and has done (see :mod:`lessmem.serve`); safe from any
+        thread (it waits for a step in progress)."""
+        with self._step_lock:
+            return self._metrics()
+
+    def _metrics(self) -> dict:
         by_tier = {"device": self.device_bytes(), "host": 0, "disk": 0, "redis": 0}
         for t in self.tiers:
             name = {"HostTier": "host", "DiskTier": "disk", "RedisTier": "redis"}.get(type(t).__name__, t.name)
             try:
-                by_tier[name] = by_tier.get(name, 0) + t.nbytes()
-            except Exception:  # noqa: BLE001 (an unreachable tier reports nothing)
+                by_tier[name] = by_tier.get(name, 0) + int(t.nbytes)
+            except (TierUnavailableError, OSError):  # an unreachable tier reports nothing
                 pass
         fmt = {"codes": 0, "scales": 0, "zero_points": 0, "window": 0, "sinks": 0}
         for name, b in self.pool.part_bytes.items():
