@@ -182,3 +182,23 @@ def test_sliding_window_models_are_refused_by_name():
     m.config.sliding_window = 16
     with pytest.raises(ValueError, match="full-attention"):
         Engine(m, None, EngineConfig(kv="int4"))
+
+
+def test_two_engines_sharing_redis_reuse_each_others_prefix(model, redis_server):
+    ps = prompts(2, length=30, shared=128)
+    # engine A (one process's server) computes the shared prompt; engine B, a second server
+    # behind the same Redis, starts from A's snapshot
+    out_a, m_a = run(model, ps[:1], offload=redis_server.url)
+    out_b, m_b = run(model, ps[1:], offload=redis_server.url)
+    assert m_a["prefix_tier_hits"] == 0 and m_b["prefix_tier_hits"] == 1
+    assert m_b["computed_prompt_tokens"] == len(ps[1]) - 128
+    assert out_b == run(model, ps[1:])[0]  # the same tokens as computing the prefix itself
+
+
+def test_redis_gone_degrades_to_recompute_with_one_warning(model, dead_redis_url):
+    ps = prompts(2, length=30, shared=128)
+    with pytest.warns(RuntimeWarning) as caught:
+        out, m = run(model, ps, offload=dead_redis_url)
+    assert out == run(model, ps)[0]
+    assert m["requests_finished"] == 2
+    assert sum("prefix cache" in str(w.message) for w in caught) <= 1

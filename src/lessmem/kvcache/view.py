@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels.attention import QuantKV, fused_attention, quantized_attention
 
@@ -46,6 +47,15 @@ def _fp_attention(q, k, v, mask, scaling):
         s = s + mask
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v, lse
+
+
+def _sdpa_gqa(q, k, v, mask, scaling):
+    """SDPA over full-precision k, v with fewer KV heads than query heads, read in place
+    (``enable_gqa``, torch 2.5+; older torch expands them)."""
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    except TypeError:
+        return _fp_attention(q, k, v, mask, scaling)[0]
 
 
 FUSED_MAX_QUERIES = 32  # up to this many query tokens, one C++ call does everything
@@ -179,9 +189,9 @@ class LayerView:
                 rows = torch.arange(Tq, device=q.device) + (n - Tq)
                 allowed = cols[None, :] <= rows[:, None]
                 m_fp = _additive(allowed)[None, None].expand(B, 1, Tq, n).contiguous()
+        if not nh:  # no history to merge with: no log-sum-exp needed, GQA without copies
+            return _sdpa_gqa(qf, kf, vf, m_fp, scaling).to(q.dtype)
         out_f, lse_f = _fp_attention(qf, kf, vf, m_fp, scaling)
-        if not nh:
-            return out_f.to(q.dtype)
         qh = qf * scaling
         if self.rot_k is not None:
             qh = self.rot_k.rotate(qh)

@@ -117,6 +117,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._lock = threading.Condition()  # the queues, shared with submitting threads
         self._step_lock = threading.RLock()  # a step's changes, against metrics() from other threads
+        self._last_metrics: dict | None = None
         self._aborts: set[str] = set()
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
@@ -131,6 +132,7 @@ class Engine:
             for t in ([eos] if isinstance(eos, int) else list(eos or [])):
                 if t not in self._eos:
                     self._eos.append(t)
+        self._last_metrics = self._metrics()
 
     # ---- requests -------------------------------------------------------------------
     def check_request(self, prompt_ids, params: SamplingParams) -> tuple[list[int], SamplingParams]:
@@ -463,7 +465,9 @@ class Engine:
         """One scheduler step (module doc); returns the number of requests still
         unfinished (0: idle)."""
         with self._step_lock:
-            return self._step()
+            n = self._step()
+            self._last_metrics = self._metrics()
+            return n
 
     def _step(self) -> int:
         t0 = time.perf_counter()
@@ -620,10 +624,16 @@ class Engine:
         return reqs
 
     def metrics(self) -> dict:
-        """What the engine holds and has done (see :mod:`lessmem.serve`); safe from any
-        thread (it waits for a step in progress)."""
-        with self._step_lock:
-            return self._metrics()
+        """What the engine holds and has done (see :mod:`lessmem.serve`). Safe from any
+        thread and never blocks: while a step is in progress it returns the figures as
+        they were after the last step (a server's event loop must not wait on a step)."""
+        if not self._step_lock.acquire(blocking=False):
+            return dict(self._last_metrics) if self._last_metrics else {}
+        try:
+            self._last_metrics = self._metrics()
+            return dict(self._last_metrics)
+        finally:
+            self._step_lock.release()
 
     def _metrics(self) -> dict:
         by_tier = {"device": self.device_bytes(), "host": 0, "disk": 0, "redis": 0}
