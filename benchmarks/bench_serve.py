@@ -718,6 +718,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scrape", type=float, default=0.5, help="seconds between /metrics scrapes")
     p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (here and in the server)")
+    p.add_argument("--server-threads", type=int, default=None,
+                   help="threads of the lessmem serve processes (default --threads; 0: lessmem serve's own "
+                        "default, the cores less one)")
     p.add_argument("--inprocess", action="store_true", help="drive lessmem.serve.Engine here instead of HTTP")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers rows")
     args = p.parse_args(argv)
@@ -755,6 +758,7 @@ def main(argv=None) -> int:
                command=" ".join([Path(sys.executable).name, *sys.argv]),
                platform=platform.platform(), mem_total_gib=mem_gib, quick=args.quick,
                requests=n, prompt_tokens=P, new_tokens=G, rate_per_s=args.rate, seed=args.seed,
+               server_threads=args.threads if args.server_threads is None else (args.server_threads or "default"),
                shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens, fit_fp16_requests=args.fit,
                fp16_kv_bytes_per_token=bpt, kv_budget_bytes=budget,
                driver="in-process Engine" if args.inprocess else "HTTP (openai AsyncOpenAI, streaming)",
@@ -789,6 +793,7 @@ def main(argv=None) -> int:
         model, tok = lessmem.load(MODEL)  # a fresh copy: the peers switched its attention back and forth
         model.eval()
 
+    server_threads = args.threads if args.server_threads is None else (args.server_threads or None)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         tmp = Path(tmp)
         i_spec = 0
@@ -798,7 +803,7 @@ def main(argv=None) -> int:
                 spec = _offload_spec(off, tmp, i_spec)
                 i_spec += 1
                 target = (EngineTarget(model, tok, kv, budget, spec, args.chunk_tokens) if args.inprocess
-                          else ServerTarget(kv, budget, spec, args.chunk_tokens, args.threads, tmp))
+                          else ServerTarget(kv, budget, spec, args.chunk_tokens, server_threads, tmp))
                 try:
                     if alone is None:  # untimed: while the first server of this preset starts
                         t = time.perf_counter()

@@ -56,7 +56,8 @@ def add_arguments(p) -> None:
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 or :: for every interface)")
     p.add_argument("--port", type=T.integer(0, 65535), default=8000,
                    help="TCP port (default 8000; 0 picks a free one, printed when ready)")
-    p.add_argument("--threads", type=T.THREADS, default=None, metavar="N", help="torch CPU threads, 1..1024")
+    p.add_argument("--threads", type=T.THREADS, default=None, metavar="N",
+                   help="torch CPU threads, 1..1024 (default: the usable cores less one, for the HTTP side)")
 
 
 def _model_name(text: str) -> str:
@@ -186,6 +187,21 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{host}:{port}/v1"
 
 
+def serving_threads() -> int | None:
+    """Compute threads when ``--threads`` is not given: one core fewer than the process
+    may use (at least 1), so the HTTP event loop and the clients' sockets get a core of
+    their own instead of preempting a compute thread in the middle of a parallel region
+    (measured on two cores, 8 streams of 512 + 64 tokens: 2 threads 59.9 s, 1 thread
+    37.2 s); ``OMP_NUM_THREADS`` chooses instead when set."""
+    import os
+
+    from lessmem.base.cpu import usable_cores
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, usable_cores() - 1)
+
+
 def run(args) -> int:
     import uvicorn
 
@@ -198,7 +214,7 @@ def run(args) -> int:
         check(args)
     sock = bind(args.host, args.port)
     try:
-        set_threads(args.threads)
+        set_threads(args.threads if args.threads is not None else serving_threads())
         quiet_transformers()
         model, tok = load_model(args.model)
         engine = Engine(model, tok, args.config, model_name=args.model_name)
