@@ -241,6 +241,18 @@ def test_concurrent_requests_match_each_alone(server):
     assert metric(server.metrics(), "lessmem_requests_running_peak") >= 2  # they did run together
 
 
+def wait_for_abort(server, before) -> dict:
+    """The server's metrics once one more request has finished with "abort" (60 s at most)."""
+    deadline, m = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if metric(m, "lessmem_requests_finished_total", finish_reason="abort") \
+                > metric(before, "lessmem_requests_finished_total", finish_reason="abort"):
+            return m
+        time.sleep(0.1)
+    pytest.fail(f"the request was not aborted: {m}")
+
+
 def test_client_gone_mid_stream_aborts_and_frees(server):
     before = server.metrics()
     stream = complete(server, "Write a very long story about a dragon.", max_tokens=400, stream=True,
@@ -251,15 +263,7 @@ def test_client_gone_mid_stream_aborts_and_frees(server):
         if got >= 2:
             break
     stream.close()  # the connection goes away with the request unfinished
-    deadline, m = time.monotonic() + 60, {}
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if metric(m, "lessmem_requests_finished_total", finish_reason="abort") \
-                > metric(before, "lessmem_requests_finished_total", finish_reason="abort"):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the request was not aborted: {m}")
+    m = wait_for_abort(server, before)
     assert metric(m, "lessmem_requests_running") == 0 and metric(m, "lessmem_requests_waiting") == 0
     assert metric(m, "lessmem_requests_finished_total", finish_reason="length") \
         == metric(before, "lessmem_requests_finished_total", finish_reason="length")
@@ -283,15 +287,7 @@ def test_client_gone_before_a_whole_answer_aborts(server):
         while time.monotonic() < deadline and metric(server.metrics(), "lessmem_generation_tokens_total") \
                 - metric(before, "lessmem_generation_tokens_total") < 2:
             time.sleep(0.05)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if metric(m, "lessmem_requests_finished_total", finish_reason="abort") \
-                > metric(before, "lessmem_requests_finished_total", finish_reason="abort"):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the request was not aborted")
+    m = wait_for_abort(server, before)
     assert metric(m, "lessmem_requests_running") == 0
     assert metric(m, "lessmem_generation_tokens_total") - metric(before, "lessmem_generation_tokens_total") < 400
 

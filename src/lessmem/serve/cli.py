@@ -190,9 +190,8 @@ def url_of(sock: socket.socket) -> str:
 def serving_threads() -> int | None:
     """Compute threads when ``--threads`` is not given: one core fewer than the process
     may use (at least 1), so the HTTP event loop and the clients' sockets get a core of
-    their own instead of preempting a compute thread in the middle of a parallel region
-    (measured on two cores, 8 streams of 512 + 64 tokens: 2 threads 59.9 s, 1 thread
-    37.2 s); ``OMP_NUM_THREADS`` chooses instead when set."""
+    their own instead of preempting a compute thread in the middle of a parallel region;
+    ``OMP_NUM_THREADS`` chooses instead when set."""
     import os
 
     from lessmem.base.cpu import usable_cores

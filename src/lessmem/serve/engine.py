@@ -53,8 +53,9 @@ import torch
 from ..kvcache.attention import enable
 from ..kvcache.cache import cache_kwarg
 from ..kvcache.identity import model_fingerprint
+from ..kvcache.layer import count_part
 from ..kvcache.shape import head_dim as model_head_dim
-from ..offload import TierUnavailableError, build_tiers
+from ..offload import DiskTier, HostTier, RedisTier, TierUnavailableError, build_tiers
 from .batch import BatchCache, RowPlan, Segment
 from .config import EngineConfig, SamplingParams
 from .paged import PagedKVCache, PagePool
@@ -62,6 +63,8 @@ from .prefix import PrefixCache
 from .request import Request, TokenEvent
 from .text import sample, text_delta
 
+METRICS_EVERY_S = 0.2  # how stale metrics() may be while a step runs in another thread
+_TIER_KINDS = (("host", HostTier), ("disk", DiskTier), ("redis", RedisTier))
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -103,7 +106,7 @@ class Engine:
         self.pool = PagePool()
         self.tiers = build_tiers(cfg.offload) if cfg.offload else []
         self.swap_tier = self.tiers[0] if self.tiers else None
-        persist = next((t for t in reversed(self.tiers) if type(t).__name__ in ("DiskTier", "RedisTier")), None)
+        persist = next((t for t in reversed(self.tiers) if isinstance(t, (DiskTier, RedisTier))), None)
         self.model_id = model_fingerprint(model)
         key_config = {**self.kv.to_dict(), "chunk": cfg.chunk_tokens, "invariant": cfg.batch_invariant}
         self.prefix = PrefixCache(self.pool, self.model_id, key_config, cfg.chunk_tokens,
@@ -118,6 +121,7 @@ class Engine:
         self._lock = threading.Condition()  # the queues, shared with submitting threads
         self._step_lock = threading.RLock()  # a step's changes, against metrics() from other threads
         self._last_metrics: dict | None = None
+        self._metrics_at = 0.0
         self._aborts: set[str] = set()
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
@@ -416,8 +420,8 @@ class Engine:
         out = []
         for r in sorted(self.running, key=lambda r: r.order):
             if r.n_cached >= len(r.prompt_ids) and budget >= 1:
-                seq_len = len(r.prompt_ids) + len(r.output_ids)
-                out.append((r, [(r.prompt_ids + r.output_ids)[r.n_cached]], False, r.n_cached == seq_len - 1))
+                i = r.n_cached - len(r.prompt_ids)  # the next token is an output token
+                out.append((r, [r.output_ids[i]], False, i == len(r.output_ids) - 1))
                 budget -= 1
         ahead = []
         for r in sorted(self.running, key=lambda r: r.order):
@@ -466,7 +470,9 @@ class Engine:
         unfinished (0: idle)."""
         with self._step_lock:
             n = self._step()
-            self._last_metrics = self._metrics()
+            now = time.perf_counter()
+            if now - self._metrics_at >= METRICS_EVERY_S or not n:  # (a disk tier's bytes are a file read)
+                self._last_metrics, self._metrics_at = self._metrics(), now
             return n
 
     def _step(self) -> int:
@@ -638,15 +644,16 @@ class Engine:
     def _metrics(self) -> dict:
         by_tier = {"device": self.device_bytes(), "host": 0, "disk": 0, "redis": 0}
         for t in self.tiers:
-            name = {"HostTier": "host", "DiskTier": "disk", "RedisTier": "redis"}.get(type(t).__name__, t.name)
+            name = next((n for n, c in _TIER_KINDS if isinstance(t, c)), t.name)
             try:
                 by_tier[name] = by_tier.get(name, 0) + int(t.nbytes)
             except (TierUnavailableError, OSError):  # an unreachable tier reports nothing
                 pass
-        fmt = {"codes": 0, "scales": 0, "zero_points": 0, "window": 0, "sinks": 0}
+        fmt = {"codes": 0, "scales": 0, "zero_points": 0, "window": 0, "sinks": 0,
+               "k_quant_bytes": 0, "v_quant_bytes": 0}
         for name, b in self.pool.part_bytes.items():
-            kind = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
-            fmt[kind] += b
+            count_part(fmt, name, b)
+        del fmt["k_quant_bytes"], fmt["v_quant_bytes"]
         for r in self.running:
             if r.cache is None:
                 continue

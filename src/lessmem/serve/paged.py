@@ -33,15 +33,11 @@ import torch
 from ..kernels.attention import QuantKV, SegmentedKV
 from ..kvcache.cache import KVCache
 from ..kvcache.config import KVConfig
-from ..kvcache.layer import QuantizedKVLayer, _side, count_part
+from ..kvcache.layer import _DTYPES, QuantizedKVLayer, _side, count_part
 from ..kvcache.presets import resolve
+from ..kvcache.tiered.blocks import tensor_bytes
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _ids = itertools.count()
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 class Page:
@@ -53,7 +49,7 @@ class Page:
     def __init__(self, parts: dict[str, torch.Tensor]):
         self.id = next(_ids)
         self.parts = parts
-        self.part_bytes = {n: _nbytes(t) for n, t in parts.items()}
+        self.part_bytes = {n: tensor_bytes(t) for n, t in parts.items()}
         self.nbytes = sum(self.part_bytes.values())
         self.refs = 0
         self.key: str | None = None
@@ -244,7 +240,7 @@ class PagedKVLayer(QuantizedKVLayer):
         return [t for t in parts if t is not None]
 
     def fp_bytes(self) -> int:
-        return sum(_nbytes(t) for t in self.fp_tensors())
+        return sum(tensor_bytes(t) for t in self.fp_tensors())
 
     def memory(self) -> dict[str, int]:
         m = super().memory()

@@ -29,12 +29,9 @@ from collections import OrderedDict
 
 import torch
 
+from ..kvcache.tiered.blocks import tensor_bytes
 from ..offload import TierFullError, TierUnavailableError, layer_key, prefix_hashes
 from .paged import PagedKVCache, release_snapshot
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _state_fp_bytes(states: list[dict]) -> int:
@@ -42,8 +39,8 @@ def _state_fp_bytes(states: list[dict]) -> int:
     for s in states:
         for name in ("sinks", "window"):
             if s[name] is not None:
-                n += _nbytes(s[name][0]) + _nbytes(s[name][1])
-        n += _nbytes(s["keys"]) + _nbytes(s["values"])
+                n += tensor_bytes(s[name][0]) + tensor_bytes(s[name][1])
+        n += tensor_bytes(s["keys"]) + tensor_bytes(s["values"])
     return n
 
 
