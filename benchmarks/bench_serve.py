@@ -297,6 +297,10 @@ class ServerTarget:
         if offload:
             self.cmd += ["--offload", offload]
         env = dict(os.environ)
+        import lessmem
+
+        if lessmem.OMP_POLICY_FROM_LESSMEM:  # as from a shell: the server picks its own policy
+            env.pop("OMP_WAIT_POLICY", None)
         if threads:
             self.cmd += ["--threads", str(threads)]
             env["OMP_NUM_THREADS"] = str(threads)

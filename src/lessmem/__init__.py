@@ -21,6 +21,7 @@ import os
 # imported before torch (the `lessmem` command
 # always is); otherwise set OMP_WAIT_POLICY=PASSIVE in the environment. An explicit
 # setting (e.g. ACTIVE on a dedicated machine) is kept.
+OMP_POLICY_FROM_LESSMEM = "OMP_WAIT_POLICY" not in os.environ  # (`lessmem serve` takes it back)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from lessmem.base.lazy import lazy_exports  # noqa: E402

@@ -202,6 +202,11 @@ def serving_threads() -> int | None:
 
 
 def run(args) -> int:
+    import signal
+    import threading
+
+    if not hasattr(args, "config"):
+        check(args)
     import uvicorn
 
     from lessmem.eval.generate_cli import load_model, set_threads
@@ -209,8 +214,6 @@ def run(args) -> int:
     from lessmem.serve import Engine
     from lessmem.serve.server import create_app
 
-    if not hasattr(args, "config"):
-        check(args)
     sock = bind(args.host, args.port)
     try:
         set_threads(args.threads if args.threads is not None else serving_threads())
@@ -221,7 +224,7 @@ def run(args) -> int:
         sock.close()
         raise
     what = describe(args)
-    app = create_app(engine, tok, describe=what)
+    app = create_app(engine, tok, describe=what, owns_engine=False)
     ready = f"lessmem serve: {args.model_name} ({what}) ready at {url_of(sock)}"
 
     class Server(uvicorn.Server):
@@ -230,16 +233,32 @@ def run(args) -> int:
             if not self.should_exit:
                 print(ready, file=sys.stderr, flush=True)
 
-        async def shutdown(self, sockets=None):
-            await super().shutdown(sockets=sockets)  # the app's lifespan closes the engine
-            print(f"lessmem serve: stopped ({args.model_name}: requests finished or aborted, "
-                  "the engine closed)", file=sys.stderr, flush=True)
-
+    # The engine steps on this thread, the one the model was loaded on (its OpenMP
+    # threads: Engine.start's doc), and the HTTP server runs on another. SIGINT/SIGTERM
+    # ask the server to stop: it stops accepting, requests in flight get up to 5 s (the
+    # engine keeps stepping for them), then the engine closes and flushes its tiers.
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=5)
     server = Server(config)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="lessmem-http", daemon=True)
+    stopped_by = []
+
+    def ask_stop(signum, frame):
+        stopped_by.append(signum)
+        server.should_exit = True
+
+    previous = {s: signal.signal(s, ask_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run(sockets=[sock])
+        http.start()
+        engine.serve_forever(until=lambda: not http.is_alive())
+        http.join()
     finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        server.should_exit = True
+        http.join(timeout=10)
         sock.close()
+        engine.close()
+    print(f"lessmem serve: stopped ({args.model_name}: requests finished or aborted, "
+          "the engine closed)", file=sys.stderr, flush=True)
     return 0
