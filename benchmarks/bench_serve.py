@@ -724,7 +724,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (here and in the server)")
     p.add_argument("--server-threads", type=int, default=None,
                    help="threads of the lessmem serve processes (default --threads; 0: lessmem serve's own "
-                        "default, the cores less one)")
+                        "default, all usable cores)")
     p.add_argument("--inprocess", action="store_true", help="drive lessmem.serve.Engine here instead of HTTP")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers rows")
     args = p.parse_args(argv)

@@ -204,3 +204,60 @@ def test_layouts_the_cache_does_not_use_yet_work_from_their_description(bits, pa
 # That no production module imports attention_reference (the tests' oracle; the torch
 # fallback is attention_torch) is checked, with every other *_reference oracle, by
 # tests/kernels/test_fallbacks.py::test_no_production_module_imports_a_test_oracle.
+
+
+@pytest.mark.parametrize("bits,tg,dg,kind", CASES)
+def test_batch_of_requests_equals_each_alone_and_the_reference(bits, tg, dg, kind):
+    # a serving step: ragged requests (own history length, segments, fp pieces of fp32 or
+    # fp16) in one call; each equals itself in a batch of one, bit for bit, and the reference
+    from lessmem.kernels.attention import fused_attention_batch
+
+    g = torch.Generator().manual_seed(11 + bits + tg + dg)
+    Hkv, Hq, D = 2, 6, 64
+    hists, pieces, refs = [], [], []
+    for i, T in enumerate([64, 320, 128 + 64 * (tg == 1)]):
+        kv = QuantKV(_side(g, 1, Hkv, T, D, bits, tg, dg, kind), _side(g, 1, Hkv, T, D, bits, tg, dg, kind))
+        if hists:  # one format for all requests (a "lut" side draws its own levels)
+            kv = QuantKV(dataclasses.replace(kv.keys, layout=refs[0][0].keys.layout),
+                         dataclasses.replace(kv.values, layout=refs[0][0].values.layout))
+        hists.append(_segments(kv, [*range(0, T, 64), T], 64) if i == 1 else kv)
+        dt = torch.float16 if i != 2 else torch.float32
+        ps = [(torch.randn(1, Hkv, n, D, generator=g).to(dt), torch.randn(1, Hkv, n, D, generator=g).to(dt))
+              for n in (4, 30 + i)] + [(torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g))]
+        pieces.append(ps)
+        refs.append((kv, ps))
+    q = torch.randn(3, Hq, D, generator=g) * 0.1
+    res = fused_attention_batch(q, q * 0.5, hists, pieces)
+    if res is None:
+        pytest.skip("no C++ compiler: the batched path is C++ only (the caller falls back)")
+    out_h, out_f = res
+    for r, (kv, ps) in enumerate(refs):
+        one_h, one_f = fused_attention_batch(q[r:r + 1], q[r:r + 1] * 0.5, [hists[r]], [ps])
+        assert torch.equal(one_h[0], out_h[r]) and torch.equal(one_f[0], out_f[r])
+        kf = torch.cat([p[0].float() for p in ps], 2)
+        vf = torch.cat([p[1].float() for p in ps], 2)
+        s = torch.cat([q[r][None, :, None] @ dequantize_side(kv.keys, D).repeat_interleave(3, 1).transpose(-1, -2),
+                       (q[r] * 0.5)[None, :, None] @ kf.repeat_interleave(3, 1).transpose(-1, -2)], -1)
+        p = torch.softmax(s, -1)
+        nh = kv.n_tokens
+        want_h = p[..., :nh] @ dequantize_side(kv.values, D).repeat_interleave(3, 1)
+        want_f = p[..., nh:] @ vf.repeat_interleave(3, 1)
+        torch.testing.assert_close(out_h[r], want_h[0, :, 0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out_f[r], want_f[0, :, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_batch_of_requests_refuses_mixed_formats_and_bad_pieces():
+    from lessmem.kernels.attention import cpp_available, fused_attention_batch
+
+    if not cpp_available():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(3)
+    a = QuantKV(_side(g, 1, 2, 64, 64, 4, 1, 64, "zp"), _side(g, 1, 2, 64, 64, 4, 1, 64, "zp"))
+    b = QuantKV(_side(g, 1, 2, 64, 64, 8, 1, 64, "sym"), _side(g, 1, 2, 64, 64, 4, 1, 64, "zp"))
+    cur = [(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64))]
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(ValueError, match="one format for all"):
+        fused_attention_batch(q, q, [a, b], [cur, cur])
+    bad = [(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64).half())]  # keys fp32, values fp16
+    with pytest.raises(RuntimeError, match="keys and values alike"):
+        fused_attention_batch(q[:1], q[:1], [a], [bad])

@@ -40,7 +40,7 @@ def alone(model, ps, **cfg):
     return [run(model, [p], **cfg)[0][0] for p in ps]
 
 
-@pytest.mark.parametrize("kv", ["int4", "best-4", "fp16"])
+@pytest.mark.parametrize("kv", ["int4", "best-4", "best-2", "fp16"])
 def test_batched_outputs_equal_each_request_alone(model, kv):
     ps = prompts(5)
     batched, m = run(model, ps, kv=kv)

@@ -299,3 +299,75 @@ def fused_attention(q_h: torch.Tensor, kv: QuantKV, mask_h: torch.Tensor | None,
     mf = mask_f.float().contiguous() if mask_f is not None else e
     return mod.qattn_forward(q_h.float().contiguous(), *_kernel_history(kv), mh, _n_split(B, Hkv, T), q_f.float().contiguous(), k_f.float().contiguous(),
                              v_f.float().contiguous(), mf, bool(causal))
+
+
+def _parts_of(kv):
+    """(key parts, value parts, seg) of a QuantKV or SegmentedKV, as ``(codes, scale, zp)``."""
+    if isinstance(kv, SegmentedKV):
+        return kv.k_parts, kv.v_parts, int(kv.seg)
+    k, v = kv.keys, kv.values
+    return [(k.codes, k.scale, k.zero_point)], [(v.codes, v.scale, v.zero_point)], 0
+
+
+def _layouts(kv) -> tuple:
+    """(key layout, value layout) of a QuantKV or SegmentedKV."""
+    if isinstance(kv, SegmentedKV):
+        return kv.k.layout, kv.v.layout
+    return kv.keys.layout, kv.values.layout
+
+
+def _fp_piece(t: torch.Tensor) -> torch.Tensor:
+    """A full-precision piece as the batch kernel reads it: float32 or float16, contiguous."""
+    if t.dtype not in (torch.float32, torch.float16):
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def batch_split(n_kv_heads: int, n_tokens: int) -> int:
+    """History splits of one request's decode row in :func:`fused_attention_batch`: from
+    the request's own numbers only, so its result does not depend on its batch."""
+    return _n_split(1, n_kv_heads, n_tokens)
+
+
+def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list, fp_pieces: list):
+    """Decode rows of many requests in one C++ call (a serving step, ``serve.batch``).
+
+    Request r has one query row per head, ``q_h[r]`` [Hq, D] for its quantized history
+    ``histories[r]`` (a QuantKV or SegmentedKV; all of one format) and ``q_f[r]`` for its
+    full-precision pieces ``fp_pieces[r]``, a list of ``(k, v)`` [1, Hkv, L, D] (sinks,
+    window, current token, each read in place, float32 or float16). Both ``q`` scaled, ``q_h`` rotated like
+    the keys. Returns ``(out_h, out_f)`` float32 [R, Hq, D] as :func:`fused_attention`
+    does, or None without the C++ kernel. Each request's result equals what it gets in a
+    batch of one (its splits depend on its own history only).
+    """
+    mod = _module() if q_h.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
+    if mod is None or not histories:
+        return None
+    kl, vl = _layouts(histories[0])
+    kc, ks, kz, vc, vs, vz, seg, fk, fv, splits = [], [], [], [], [], [], [], [], [], []
+    for r, (kv, pieces) in enumerate(zip(histories, fp_pieces, strict=True)):
+        if _layouts(kv) != (kl, vl):
+            raise ValueError(f"history {r} is stored in another format than history 0 "
+                             f"({_layouts(kv)[0].bits}/{_layouts(kv)[1].bits} bits, {kl.bits}/{vl.bits} there); "
+                             "allowed: one format for all")
+        kp, vp, s = _parts_of(kv)
+        kc.append([p[0] for p in kp])
+        ks.append([p[1] for p in kp])
+        vc.append([p[0] for p in vp])
+        vs.append([p[1] for p in vp])
+        if kl.has_zero_point:
+            kz.append([p[2] for p in kp])
+        if vl.has_zero_point:
+            vz.append([p[2] for p in vp])
+        seg.append(s)
+        fk.append([_fp_piece(p[0]) for p in pieces])
+        fv.append([_fp_piece(p[1]) for p in pieces])
+        splits.append(batch_split(kv.n_kv_heads, kv.n_tokens))
+    empty_f = torch.empty(0, dtype=torch.float32)
+    klut, vlut = kl.lut("cpu"), vl.lut("cpu")
+    return mod.qattn_batch(
+        q_h.float().contiguous(), q_f.float().contiguous(),
+        kc, ks, kz, klut if klut is not None else empty_f, PACKING_IDS[kl.packing], kl.bits, kl.token_group,
+        kl.channel_group, kl.zero_const,
+        vc, vs, vz, vlut if vlut is not None else empty_f, PACKING_IDS[vl.packing], vl.bits, vl.token_group,
+        vl.channel_group, vl.zero_const, seg, fk, fv, splits)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ._build import load_cpp_file
 
 PACKING_IDS = {"split": 0, "stream": 1}  # KVLayout.packing -> the id the kernel receives
-FUNCTIONS = ["qattn_forward"]
+FUNCTIONS = ["qattn_forward", "qattn_batch"]
 
 
 def build_flags() -> list[str]:

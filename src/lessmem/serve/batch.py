@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..kvcache.view import LayerView
+from ..kernels.attention import fused_attention_batch
+from ..kvcache.view import LayerView, _rot_matrix
 
 TILE = 16  # decode rows per matmul when batch invariance is on
 
@@ -46,15 +47,61 @@ class Segment:
     chunk: bool  # a prompt chunk (multiplied alone) rather than a decode token
 
 
+def _rot_key(rot):
+    return None if rot is None else (type(rot).__name__, getattr(rot, "n", None), getattr(rot, "seed", id(rot)))
+
+
 class BatchView:
-    """Attention over a packed step: each segment against its own cache's view."""
+    """Attention over a packed step: each segment against its own cache's view. The
+    decode rows (one token of a request with a quantized history) are answered together,
+    in one C++ call over all their requests (``fused_attention_batch``): one parallel
+    region a layer instead of one per request, the window and current token read where
+    they lie. A request's result does not depend on the others in the call."""
 
     def __init__(self, views: list, segments: list[Segment]):
         self.views, self.segments = views, segments
 
+    def _batchable(self) -> list[int]:
+        rows, key = [], None
+        for i, (view, s) in enumerate(zip(self.views, self.segments, strict=True)):
+            if s.end - s.start != 1 or not isinstance(view, LayerView) or not view.n_history:
+                continue
+            k = (_rot_key(view.rot_k), _rot_key(view.rot_v))
+            if key is None:
+                key = k
+            if k == key:
+                rows.append(i)
+        return rows
+
+    def _decode_rows(self, q: torch.Tensor, rows: list[int], scaling: float):
+        """[1, Hq, R, D] for the decode rows ``rows`` (segment indices), or None."""
+        views = [self.views[i] for i in rows]
+        idx = torch.tensor([self.segments[i].start for i in rows], device=q.device)
+        q_f = (q[0].index_select(1, idx).transpose(0, 1).float() * scaling).contiguous()  # [R, Hq, D]
+        R, _, D = q_f.shape
+        rot_k, rot_v = views[0].rot_k, views[0].rot_v
+        q_h = torch.bmm(q_f, _rot_matrix(rot_k, q.device).expand(R, D, D)) if rot_k is not None else q_f
+        pieces = [[p for p in (v.sinks, v.window, v.current) if p is not None and p[0].shape[2]] for v in views]
+        res = fused_attention_batch(q_h, q_f, [v.history for v in views], pieces)
+        if res is None:
+            return None
+        out_h, out_f = res
+        if rot_v is not None:
+            out_h = torch.bmm(out_h, _rot_matrix(rot_v, q.device).T.expand(R, D, D))
+        return (out_f + out_h).transpose(0, 1).unsqueeze(0).to(q.dtype)
+
     def attend(self, q: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-        outs = [view.attend(q[:, :, s.start:s.end], None, scaling)
-                for view, s in zip(self.views, self.segments, strict=True)]
+        rows = self._batchable()
+        together = self._decode_rows(q, rows, scaling) if rows else None
+        if together is not None and len(rows) == len(self.segments):
+            return together
+        outs, j = [], 0
+        for i, (view, s) in enumerate(zip(self.views, self.segments, strict=True)):
+            if together is not None and j < len(rows) and rows[j] == i:
+                outs.append(together[:, :, j:j + 1])
+                j += 1
+            else:
+                outs.append(view.attend(q[:, :, s.start:s.end], None, scaling))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

@@ -57,7 +57,7 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=T.integer(0, 65535), default=8000,
                    help="TCP port (default 8000; 0 picks a free one, printed when ready)")
     p.add_argument("--threads", type=T.THREADS, default=None, metavar="N",
-                   help="torch CPU threads, 1..1024 (default: the usable cores less one, for the HTTP side)")
+                   help="torch CPU threads, 1..1024 (default: the usable cores)")
 
 
 def _model_name(text: str) -> str:
@@ -188,17 +188,18 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serving_threads() -> int | None:
-    """Compute threads when ``--threads`` is not given: one core fewer than the process
-    may use (at least 1), so the HTTP event loop and the clients' sockets get a core of
-    their own instead of preempting a compute thread in the middle of a parallel region;
-    ``OMP_NUM_THREADS`` chooses instead when set."""
+    """Compute threads when ``--threads`` is not given: every core the process may use
+    (``OMP_NUM_THREADS`` chooses instead when set). The engine steps on the main thread
+    and the HTTP server's event loop mostly waits on sockets; the engine's OpenMP threads
+    spin briefly between ops (``lessmem.cli`` gives the serve command the runtime's
+    default wait policy back), which is what a step of many small ops needs."""
     import os
 
     from lessmem.base.cpu import usable_cores
 
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    return max(1, usable_cores() - 1)
+    return max(1, usable_cores())
 
 
 def run(args) -> int:

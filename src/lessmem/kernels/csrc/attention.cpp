@@ -2,6 +2,7 @@
 // for the algorithm and kernels/attention.py for the Python entry points). Code rows are laid
 // out as lessmem.formats.kvlayout.KVLayout describes; built by kernels/_build.py.
 #include <torch/extension.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -107,6 +108,33 @@ struct RowDecoder {
     sb = q.scale[i] + bh * q.R[i] * q.srow;
     zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
   }
+  // per-channel groups (tg > 1): the group of token t (lt: its index in its segment)
+  // expanded into s (scales) and z (scale · zero) when it is not the current one; true then
+  inline bool set_group(int64_t t, int64_t lt) {
+    const int64_t gg = t / q.tg;
+    if (gg == cur) return false;
+    const int ng = D / q.dg;
+    const at::Half* sp = sb + (lt / q.tg) * q.srow;
+    const uint8_t* zpp = zb ? zb + (lt / q.tg) * q.srow : nullptr;
+    float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
+    for (int k = 0; k < ng; ++k) {
+      const float a = (float)sp[k], b = zpp ? (float)zpp[k] : q.zc;
+      for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
+    }
+    cur = gg;
+    return true;
+  }
+  // token t's codes as floats (level table applied) into out; per-channel groups only:
+  // its group's s and z are set (set_group), and the return value says they changed
+  template <int DC>
+  inline bool codes(int64_t t, float* __restrict__ out) {
+    const int D = DC > 0 ? DC : this->D;
+    if (t < s0 || t >= s1) locate(t);
+    const int64_t lt = t - s0;
+    unpack_row(cb + lt * q.rb, q.packing, q.bits, D, out);
+    if (q.lut) { for (int d = 0; d < D; ++d) out[d] = q.lut[(int)out[d]]; }
+    return set_group(t, lt);
+  }
   template <int DC>
   inline void decode(int64_t t, float* __restrict__ out) {
     const int D = DC > 0 ? DC : this->D;
@@ -115,24 +143,16 @@ struct RowDecoder {
     const int64_t lt = t - s0;
     unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
-    const int64_t g = lt / q.tg, gg = t / q.tg;  // group within the segment / overall
-    const int ng = D / q.dg;
-    const at::Half* sp = sb + g * q.srow;
-    const uint8_t* zpp = zb ? zb + g * q.srow : nullptr;
     if (q.tg > 1) {
-      if (gg != cur) {
-        float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
-        for (int k = 0; k < ng; ++k) {
-          const float a = (float)sp[k], b = zpp ? (float)zpp[k] : q.zc;
-          for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
-        }
-        cur = gg;
-      }
+      set_group(t, lt);
       const float* __restrict__ sv = s.data(); const float* __restrict__ zv = z.data();
 #pragma omp simd
       for (int d = 0; d < D; ++d) out[d] = sv[d] * cp[d] - zv[d];
       return;
     }
+    const int ng = D / q.dg;
+    const at::Half* sp = sb + lt * q.srow;
+    const uint8_t* zpp = zb ? zb + lt * q.srow : nullptr;
     for (int k = 0; k < ng; ++k) {
       const float a = (float)sp[k];
       const float az = a * (zpp ? (float)zpp[k] : q.zc);
@@ -173,27 +193,64 @@ QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch
 }
 }  // namespace
 
-// Full-precision part (sinks, window, current chunk): float rows [B, Hkv, Lf, D] read
-// directly, scored with the unrotated queries; "causal": row tq sees fp token j only
-// when j <= Lf - Tq + tq (the current chunk is the last Tq fp tokens).
+// Full-precision part (sinks, window, current chunk): float rows read directly, scored
+// with the unrotated queries. It may come in pieces (e.g. sinks, window and current
+// tokens, never concatenated): piece p holds tokens [off[p], off[p] + L[p]) as
+// [B, Hkv, L[p], D]. "causal": row tq sees fp token j only when j <= L - Tq + tq (the
+// current chunk is the last Tq fp tokens).
+constexpr int MAX_PIECES = 4;
 struct FpPart {
-  const float* k = nullptr; const float* v = nullptr; const float* q = nullptr;
-  const float* mask = nullptr; int64_t L = 0; bool causal = false;
+  const void* k[MAX_PIECES] = {}; const void* v[MAX_PIECES] = {}; bool half[MAX_PIECES] = {};
+  int64_t off[MAX_PIECES + 1] = {}; int np = 0;
+  const float* q = nullptr; const float* mask = nullptr; int64_t L = 0; bool causal = false;
+  void add(const void* kp, const void* vp, int64_t n, bool is_half) {
+    TORCH_CHECK(np < MAX_PIECES, "qattn: at most ", MAX_PIECES, " full-precision pieces");
+    k[np] = kp; v[np] = vp; half[np] = is_half; off[np + 1] = off[np] + n; ++np; L = off[np];
+  }
+  // row t of (b, h) stream bh, keys (side 0) or values (side 1): in place when float32,
+  // else converted into buf
+  inline const float* row(int side, int64_t bh, int64_t t, int64_t D, float* __restrict__ buf) const {
+    int p = 0;
+    while (t >= off[p + 1]) ++p;
+    const int64_t n = off[p + 1] - off[p], at = (bh * n + t - off[p]) * D;
+    const void* base = side ? v[p] : k[p];
+    if (!half[p]) return static_cast<const float*>(base) + at;
+    const at::Half* h = static_cast<const at::Half*>(base) + at;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) buf[d] = (float)h[d];
+    return buf;
+  }
+};
+
+// One attention problem of the call: queries [B, Hq, Tq, D] against a quantized
+// history of T tokens (K, V) and a full-precision part F; its partial results go to
+// pm/pl/pa ([B, Hkv, nitem, rows(, D)]) and the merged ones to oh/of ([B, Hq, Tq, D])
+// and lse ([B, Hq, Tq], optional).
+struct Job {
+  const QSide* K = nullptr; const QSide* V = nullptr;
+  int64_t B = 1, Tq = 1, T = 0, nsplit = 1;
+  const float* q = nullptr; const float* mask = nullptr;
+  FpPart F;
+  float* pm = nullptr; float* pl = nullptr; float* pa = nullptr;
+  float* oh = nullptr; float* of = nullptr; float* lse = nullptr;
 };
 
 template <int DC>
-void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t Hq, int64_t Tq,
-               int64_t Hkv, int64_t T, int64_t nsplit,
-               const float* qp, const float* mp, const FpPart& F,
-               float* pmp, float* plp, float* pap) {
+void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hkv) {
   const int64_t D = DC > 0 ? DC : Drt;
-  const int64_t nrep = Hq / Hkv, rows = nrep * Tq;
-  const int64_t per = T > 0 ? (T + nsplit - 1) / nsplit : 0;
-  const int64_t nitem = nsplit + 1;  // the last split of each (b, h) is the fp part
-  const int64_t items = B * Hkv * nitem;
+  const int64_t nrep = Hq / Hkv;
+  std::vector<int64_t> first(jobs.size() + 1, 0);  // first item of each job
+  for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + jobs[j].B * Hkv * (jobs[j].nsplit + 1);
+  const int64_t items = first.back();
 
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t it = 0; it < items; ++it) {
+  for (int64_t gi = 0; gi < items; ++gi) {
+    const size_t j = std::upper_bound(first.begin(), first.end(), gi) - first.begin() - 1;
+    const Job& J = jobs[j];
+    const QSide& K = *J.K; const QSide& V = *J.V; const FpPart& F = J.F;
+    const int64_t it = gi - first[j], Tq = J.Tq, T = J.T, nsplit = J.nsplit, rows = nrep * Tq;
+    const int64_t nitem = nsplit + 1;  // the last split of each (b, h) is the fp part
+    const int64_t per = T > 0 ? (T + nsplit - 1) / nsplit : 0;
     const int64_t sp = it % nitem, bh = it / nitem, b = bh / Hkv, h = bh % Hkv;
     const bool fp = sp == nsplit;
     const int64_t t0 = fp ? 0 : sp * per;
@@ -201,26 +258,44 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
     if (t0 >= t1) continue;
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
     std::vector<float> kf(D), vf(D), sc(rows * TILE);
-    const float* qbase = fp ? F.q : qp;
-    float* m = pmp + it * rows; float* l = plp + it * rows; float* acc = pap + it * rows * D;
+    const float* qbase = fp ? F.q : J.q;
+    const bool fold = !fp && K.tg > 1;
+    std::vector<float> qs(fold ? rows * D : 0), qz(fold ? rows : 0);
+    std::vector<const float*> qrow(rows); std::vector<int64_t> rtq(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      rtq[r] = r % Tq;
+      qrow[r] = qbase + ((b * Hq + h * nrep + r / Tq) * Tq + rtq[r]) * D;
+    }
+    float* m = J.pm + it * rows; float* l = J.pl + it * rows; float* acc = J.pa + it * rows * D;
     for (int64_t ts = t0; ts < t1; ts += TILE) {
       const int64_t n = std::min<int64_t>(TILE, t1 - ts);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = ts + i;
         const float* __restrict__ kp;
-        if (fp) kp = F.k + (bh * F.L + t) * D;
-        else { kd.template decode<DC>(t, kf.data()); kp = kf.data(); }
+        if (fp) kp = F.row(0, bh, t, D, kf.data());
+        else if (fold) {  // q·(s∘c − z) = (q∘s)·c − q·z, the group's q∘s and q·z made once
+          if (kd.template codes<DC>(t, kf.data())) {
+            for (int64_t r = 0; r < rows; ++r) {
+              const float* __restrict__ qr = qrow[r]; float* __restrict__ o = qs.data() + r * D;
+              float zsum = 0.f;
+#pragma omp simd reduction(+:zsum)
+              for (int64_t d = 0; d < D; ++d) { o[d] = qr[d] * kd.s[d]; zsum += qr[d] * kd.z[d]; }
+              qz[r] = zsum;
+            }
+          }
+          kp = kf.data();
+        } else { kd.template decode<DC>(t, kf.data()); kp = kf.data(); }
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
-          const float* __restrict__ qr = qbase + ((b * Hq + hq) * Tq + tq) * D;
-          float s = 0.f;
+          const int64_t tq = rtq[r];
+          const float* __restrict__ qr = fold ? qs.data() + r * D : qrow[r];
+          float s = fold ? -qz[r] : 0.f;
 #pragma omp simd reduction(+:s)
           for (int64_t d = 0; d < D; ++d) s += qr[d] * kp[d];
           if (fp) {
             if (F.mask) s += F.mask[(b * Tq + tq) * F.L + t];
             if (F.causal && t > F.L - Tq + tq) s = NEG_INF;
-          } else if (mp) {
-            s += mp[(b * Tq + tq) * T + t];
+          } else if (J.mask) {
+            s += J.mask[(b * Tq + tq) * T + t];
           }
           sc[r * TILE + i] = s;
         }
@@ -242,7 +317,7 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = ts + i;
         const float* __restrict__ vp;
-        if (fp) vp = F.v + (bh * F.L + t) * D;
+        if (fp) vp = F.row(1, bh, t, D, vf.data());
         else { vd.template decode<DC>(t, vf.data()); vp = vf.data(); }
         for (int64_t r = 0; r < rows; ++r) {
           const float p = sc[r * TILE + i];
@@ -254,6 +329,45 @@ void run_items(const QSide& K, const QSide& V, int64_t Drt, int64_t B, int64_t H
       }
     }
   }
+
+  // merge: M = max_s m_s, L = Σ_s l_s e^{m_s − M}, out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
+  std::vector<int64_t> firstbh(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); ++j) firstbh[j + 1] = firstbh[j] + jobs[j].B * Hkv;
+#pragma omp parallel for schedule(static)
+  for (int64_t gbh = 0; gbh < firstbh.back(); ++gbh) {
+    const size_t j = std::upper_bound(firstbh.begin(), firstbh.end(), gbh) - firstbh.begin() - 1;
+    const Job& J = jobs[j];
+    const int64_t bh = gbh - firstbh[j], b = bh / Hkv, h = bh % Hkv, Tq = J.Tq, rows = nrep * Tq;
+    const int64_t nitem = J.nsplit + 1;
+    const float* pmp = J.pm; const float* plp = J.pl; const float* pap = J.pa;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
+      float M = NEG_INF;
+      for (int64_t s = 0; s < nitem; ++s) M = std::max(M, pmp[(bh * nitem + s) * rows + r]);
+      if (M == NEG_INF) continue;
+      float L = 0.f;
+      for (int64_t s = 0; s < nitem; ++s) {
+        const int64_t base = (bh * nitem + s) * rows + r;
+        if (pmp[base] != NEG_INF) L += plp[base] * std::exp(pmp[base] - M);
+      }
+      const int64_t o = ((b * Hq + hq) * Tq + tq) * D;
+      for (int64_t s = 0; s < nitem; ++s) {
+        const int64_t base = (bh * nitem + s) * rows + r;
+        if (pmp[base] == NEG_INF) continue;
+        const float w = std::exp(pmp[base] - M) / L;
+        float* dst = (s == J.nsplit ? J.of : J.oh) + o;
+        const float* a = pap + base * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += a[d] * w;
+      }
+      if (J.lse) J.lse[(b * Hq + hq) * Tq + tq] = M + std::log(L);
+    }
+  }
+}
+
+void run_jobs(const std::vector<Job>& jobs, int64_t D, int64_t Hq, int64_t Hkv) {
+  if (D == 64) run_items<64>(jobs, D, Hq, Hkv);
+  else if (D == 128) run_items<128>(jobs, D, Hq, Hkv);
+  else run_items<0>(jobs, D, Hq, Hkv);
 }
 
 // Returns {out_h, out_f, lse}: the quantized-history and full-precision contributions,
@@ -275,52 +389,100 @@ std::vector<torch::Tensor> qattn_forward(
   keep.reserve(3 * (kc.size() + vc.size()));  // no reallocation: QSide holds raw pointers
   const QSide K = make_side(kc, ks, kz, klut, kpack, kbits, ktg, kdg, kzc, (int)D, seg, keep);
   const QSide V = make_side(vc, vs, vz, vlut, vpack, vbits, vtg, vdg, vzc, (int)D, seg, keep);
-  const float* qp = q.data_ptr<float>();
-  const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
-  FpPart F;
+  Job J;
+  J.K = &K; J.V = &V; J.B = B; J.Tq = Tq; J.T = T; J.nsplit = nsplit < 1 ? 1 : nsplit;
+  J.q = q.data_ptr<float>(); J.mask = mask.numel() ? mask.data_ptr<float>() : nullptr;
   if (kfp.numel()) {
-    F.k = kfp.data_ptr<float>(); F.v = vfp.data_ptr<float>(); F.q = qf.data_ptr<float>();
-    F.mask = maskf.numel() ? maskf.data_ptr<float>() : nullptr; F.L = kfp.size(2); F.causal = causal;
+    J.F.add(kfp.data_ptr<float>(), vfp.data_ptr<float>(), kfp.size(2), false); J.F.q = qf.data_ptr<float>();
+    J.F.mask = maskf.numel() ? maskf.data_ptr<float>() : nullptr; J.F.causal = causal;
   }
-  if (nsplit < 1) nsplit = 1;
-  const int64_t nitem = nsplit + 1;
+  const int64_t nitem = J.nsplit + 1;
   auto pm = torch::full({B, Hkv, nitem, rows}, NEG_INF, torch::kFloat32);
   auto pl = torch::zeros({B, Hkv, nitem, rows}, torch::kFloat32);
   auto pa = torch::zeros({B, Hkv, nitem, rows, D}, torch::kFloat32);
-  float* pmp = pm.data_ptr<float>(); float* plp = pl.data_ptr<float>(); float* pap = pa.data_ptr<float>();
-  if (D == 64) run_items<64>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
-  else if (D == 128) run_items<128>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
-  else run_items<0>(K, V, D, B, Hq, Tq, Hkv, T, nsplit, qp, mp, F, pmp, plp, pap);
-  // merge: M = max_s m_s, L = Σ_s l_s e^{m_s − M}, out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
   auto out_h = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
   auto out_f = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
   auto lse = torch::full({B, Hq, Tq}, NEG_INF, torch::kFloat32);
-  float* ohp = out_h.data_ptr<float>(); float* ofp = out_f.data_ptr<float>(); float* lp = lse.data_ptr<float>();
-  const int64_t nrep = Hq / Hkv;
-#pragma omp parallel for schedule(static)
-  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
-    const int64_t b = bh / Hkv, h = bh % Hkv;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t hq = h * nrep + r / Tq, tq = r % Tq;
-      float M = NEG_INF;
-      for (int64_t s = 0; s < nitem; ++s) M = std::max(M, pmp[(bh * nitem + s) * rows + r]);
-      if (M == NEG_INF) continue;
-      float L = 0.f;
-      for (int64_t s = 0; s < nitem; ++s) {
-        const int64_t base = (bh * nitem + s) * rows + r;
-        if (pmp[base] != NEG_INF) L += plp[base] * std::exp(pmp[base] - M);
-      }
-      const int64_t o = ((b * Hq + hq) * Tq + tq) * D;
-      for (int64_t s = 0; s < nitem; ++s) {
-        const int64_t base = (bh * nitem + s) * rows + r;
-        if (pmp[base] == NEG_INF) continue;
-        const float w = std::exp(pmp[base] - M) / L;
-        float* dst = (s == nsplit ? ofp : ohp) + o;
-        const float* a = pap + base * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] += a[d] * w;
-      }
-      lp[(b * Hq + hq) * Tq + tq] = M + std::log(L);
-    }
-  }
+  J.pm = pm.data_ptr<float>(); J.pl = pl.data_ptr<float>(); J.pa = pa.data_ptr<float>();
+  J.oh = out_h.data_ptr<float>(); J.of = out_f.data_ptr<float>(); J.lse = lse.data_ptr<float>();
+  run_jobs({J}, D, Hq, Hkv);
   return {out_h, out_f, lse};
+}
+
+// Decode rows of many requests at once (a serving step): request r has one query row
+// q[r] [Hq, D] (scaled, rotated like its keys) for its quantized history — the parts
+// kc[r], ks[r], kz[r] / vc[r], vs[r], vz[r], seg[r] tokens each, as in qattn_forward —
+// and qf[r] (scaled, unrotated) for its full-precision pieces fk[r][i], fv[r][i]
+// [1, Hkv, L_i, D] float32 or float16 (sinks, window, current token: all visible). All requests
+// share the formats. One parallel region over requests × KV heads × splits. Returns
+// {out_h, out_f} [R, Hq, D], divided by each row's joint softmax sum (as qattn_forward).
+std::vector<torch::Tensor> qattn_batch(
+    torch::Tensor q, torch::Tensor qf,
+    std::vector<std::vector<torch::Tensor>> kc, std::vector<std::vector<torch::Tensor>> ks,
+    std::vector<std::vector<torch::Tensor>> kz, torch::Tensor klut, int64_t kpack, int64_t kbits, int64_t ktg,
+    int64_t kdg, double kzc, std::vector<std::vector<torch::Tensor>> vc,
+    std::vector<std::vector<torch::Tensor>> vs, std::vector<std::vector<torch::Tensor>> vz, torch::Tensor vlut,
+    int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, std::vector<int64_t> seg,
+    std::vector<std::vector<torch::Tensor>> fk, std::vector<std::vector<torch::Tensor>> fv,
+    std::vector<int64_t> nsplit) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous() && qf.sizes() == q.sizes()
+              && qf.scalar_type() == torch::kFloat32 && qf.is_contiguous(),
+              "qattn_batch: q and qf must be contiguous float32 [R, Hq, D] of one shape");
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(kc.size() == (size_t)R && ks.size() == (size_t)R && vc.size() == (size_t)R
+              && vs.size() == (size_t)R && seg.size() == (size_t)R && fk.size() == (size_t)R
+              && fv.size() == (size_t)R && nsplit.size() == (size_t)R
+              && (kz.empty() || kz.size() == (size_t)R) && (vz.empty() || vz.size() == (size_t)R),
+              "qattn_batch: one list of parts per request (", R, " requests)");
+  TORCH_CHECK(R > 0, "qattn_batch: no requests");
+  const int64_t Hkv = kc[0][0].size(1), nrep = Hq / Hkv;
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "qattn_batch: query heads ", Hq, " not a multiple of KV heads ", Hkv);
+  std::vector<torch::Tensor> keep;
+  size_t nparts = 0;
+  for (int64_t r = 0; r < R; ++r) nparts += kc[r].size() + vc[r].size();
+  keep.reserve(3 * nparts);  // no reallocation: each QSide holds raw pointers
+  std::vector<QSide> K, V;
+  K.reserve(R); V.reserve(R);
+  const std::vector<torch::Tensor> none;
+  int64_t total_items = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    K.push_back(make_side(kc[r], ks[r], kz.empty() ? none : kz[r], klut, kpack, kbits, ktg, kdg, kzc, (int)D,
+                          seg[r], keep));
+    V.push_back(make_side(vc[r], vs[r], vz.empty() ? none : vz[r], vlut, vpack, vbits, vtg, vdg, vzc, (int)D,
+                          seg[r], keep));
+    total_items += Hkv * ((nsplit[r] < 1 ? 1 : nsplit[r]) + 1);
+  }
+  auto part = torch::empty({total_items * nrep * (D + 2)}, torch::kFloat32);
+  float* pp = part.data_ptr<float>();
+  auto out_h = torch::zeros({R, Hq, D}, torch::kFloat32);
+  auto out_f = torch::zeros({R, Hq, D}, torch::kFloat32);
+  std::vector<Job> jobs(R);
+  int64_t used = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    Job& J = jobs[r];
+    J.K = &K[r]; J.V = &V[r]; J.B = 1; J.Tq = 1; J.nsplit = nsplit[r] < 1 ? 1 : nsplit[r];
+    J.T = 0;
+    for (const auto& c : kc[r]) J.T += c.size(2);
+    J.q = q.data_ptr<float>() + r * Hq * D;
+    J.F.q = qf.data_ptr<float>() + r * Hq * D;
+    TORCH_CHECK(fk[r].size() == fv[r].size(), "qattn_batch: as many value pieces as key pieces");
+    for (size_t i = 0; i < fk[r].size(); ++i) {
+      const auto& a = fk[r][i]; const auto& b = fv[r][i];
+      const auto dt = a.scalar_type();
+      TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kFloat16) && b.scalar_type() == dt && a.is_contiguous()
+                  && b.is_contiguous() && a.dim() == 4 && a.sizes() == b.sizes() && a.size(0) == 1
+                  && a.size(1) == Hkv && a.size(3) == D,
+                  "qattn_batch: full-precision pieces must be contiguous float32 or float16 [1, Hkv, L, D], "
+                  "keys and values alike");
+      if (a.size(2)) J.F.add(a.data_ptr(), b.data_ptr(), a.size(2), dt == torch::kFloat16);
+    }
+    const int64_t n = Hkv * (J.nsplit + 1) * nrep;
+    J.pm = pp + used; J.pl = pp + used + n; J.pa = pp + used + 2 * n;
+    std::fill(J.pm, J.pm + n, NEG_INF);
+    std::fill(J.pl, J.pl + n * (D + 1), 0.f);
+    used += n * (D + 2);
+    J.oh = out_h.data_ptr<float>() + r * Hq * D; J.of = out_f.data_ptr<float>() + r * Hq * D;
+  }
+  run_jobs(jobs, D, Hq, Hkv);
+  return {out_h, out_f};
 }
