@@ -7,6 +7,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -34,6 +37,22 @@ inline float exp_neg(float x) {
   float two_n; std::memcpy(&two_n, &e, 4);
   return x < -87.f ? 0.f : p * two_n;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight dot products q·k_j of length D (a multiple of 8) at once, k_j = k + j·D: one
+// accumulator per key row, then a transposing horizontal add (no serial reduction per dot).
+inline void dot8(const float* __restrict__ q, const float* __restrict__ k, int64_t D, float* __restrict__ out) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * D + d), a[j]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+#endif
 
 // The history may arrive as segments (blocks fetched from different places, never
 // concatenated): segment i holds tokens [i·seg, i·seg + T_i), each with its own codes,
@@ -109,10 +128,10 @@ struct RowDecoder {
     zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
   }
   // per-channel groups (tg > 1): the group of token t (lt: its index in its segment)
-  // expanded into s (scales) and z (scale · zero) when it is not the current one; true then
-  inline bool set_group(int64_t t, int64_t lt) {
+  // expanded into s (scales) and z (scale · zero) when it is not the current one
+  inline void set_group(int64_t t, int64_t lt) {
     const int64_t gg = t / q.tg;
-    if (gg == cur) return false;
+    if (gg == cur) return;
     const int ng = D / q.dg;
     const at::Half* sp = sb + (lt / q.tg) * q.srow;
     const uint8_t* zpp = zb ? zb + (lt / q.tg) * q.srow : nullptr;
@@ -122,18 +141,6 @@ struct RowDecoder {
       for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
     }
     cur = gg;
-    return true;
-  }
-  // token t's codes as floats (level table applied) into out; per-channel groups only:
-  // its group's s and z are set (set_group), and the return value says they changed
-  template <int DC>
-  inline bool codes(int64_t t, float* __restrict__ out) {
-    const int D = DC > 0 ? DC : this->D;
-    if (t < s0 || t >= s1) locate(t);
-    const int64_t lt = t - s0;
-    unpack_row(cb + lt * q.rb, q.packing, q.bits, D, out);
-    if (q.lut) { for (int d = 0; d < D; ++d) out[d] = q.lut[(int)out[d]]; }
-    return set_group(t, lt);
   }
   template <int DC>
   inline void decode(int64_t t, float* __restrict__ out) {
@@ -257,47 +264,52 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     const int64_t t1 = fp ? F.L : std::min(T, t0 + per);
     if (t0 >= t1) continue;
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
-    std::vector<float> kf(D), vf(D), sc(rows * TILE);
+    std::vector<float> vf(D), sc(rows * TILE);
     const float* qbase = fp ? F.q : J.q;
-    const bool fold = !fp && K.tg > 1;
-    std::vector<float> qs(fold ? rows * D : 0), qz(fold ? rows : 0);
     std::vector<const float*> qrow(rows); std::vector<int64_t> rtq(rows);
     for (int64_t r = 0; r < rows; ++r) {
       rtq[r] = r % Tq;
       qrow[r] = qbase + ((b * Hq + h * nrep + r / Tq) * Tq + rtq[r]) * D;
     }
-    float* m = J.pm + it * rows; float* l = J.pl + it * rows; float* acc = J.pa + it * rows * D;
+    // running max / sum / accumulator in this item's own memory (the partial buffers of
+    // neighbouring items share cache lines: writing them per tile made threads fight)
+    std::vector<float> mla(rows * (D + 2)), kbuf(TILE * D);
+    float* m = mla.data(); float* l = m + rows; float* acc = l + rows;
+    std::fill(m, m + rows, NEG_INF);
     for (int64_t ts = t0; ts < t1; ts += TILE) {
       const int64_t n = std::min<int64_t>(TILE, t1 - ts);
+      float* __restrict__ kb = kbuf.data();  // the tile's keys as float rows
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = ts + i;
-        const float* __restrict__ kp;
-        if (fp) kp = F.row(0, bh, t, D, kf.data());
-        else if (fold) {  // q·(s∘c − z) = (q∘s)·c − q·z, the group's q∘s and q·z made once
-          if (kd.template codes<DC>(t, kf.data())) {
-            for (int64_t r = 0; r < rows; ++r) {
-              const float* __restrict__ qr = qrow[r]; float* __restrict__ o = qs.data() + r * D;
-              float zsum = 0.f;
-#pragma omp simd reduction(+:zsum)
-              for (int64_t d = 0; d < D; ++d) { o[d] = qr[d] * kd.s[d]; zsum += qr[d] * kd.z[d]; }
-              qz[r] = zsum;
-            }
-          }
-          kp = kf.data();
-        } else { kd.template decode<DC>(t, kf.data()); kp = kf.data(); }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t tq = rtq[r];
-          const float* __restrict__ qr = fold ? qs.data() + r * D : qrow[r];
-          float s = fold ? -qz[r] : 0.f;
+        if (fp) {
+          const float* src = F.row(0, bh, ts + i, D, kb + i * D);
+          if (src != kb + i * D) std::copy(src, src + D, kb + i * D);
+        } else {
+          kd.template decode<DC>(ts + i, kb + i * D);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* __restrict__ qr = qrow[r];
+        float* __restrict__ srow = sc.data() + r * TILE;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (D % 8 == 0)
+          for (; i + 8 <= n; i += 8) dot8(qr, kb + i * D, D, srow + i);
+#endif
+        for (; i < n; ++i) {
+          const float* __restrict__ kp = kb + i * D;
+          float s = 0.f;
 #pragma omp simd reduction(+:s)
           for (int64_t d = 0; d < D; ++d) s += qr[d] * kp[d];
-          if (fp) {
-            if (F.mask) s += F.mask[(b * Tq + tq) * F.L + t];
-            if (F.causal && t > F.L - Tq + tq) s = NEG_INF;
-          } else if (J.mask) {
-            s += J.mask[(b * Tq + tq) * T + t];
-          }
-          sc[r * TILE + i] = s;
+          srow[i] = s;
+        }
+        const int64_t tq = rtq[r];
+        if (fp) {
+          if (F.mask)
+            for (int64_t i2 = 0; i2 < n; ++i2) srow[i2] += F.mask[(b * Tq + tq) * F.L + ts + i2];
+          if (F.causal)
+            for (int64_t i2 = 0; i2 < n; ++i2) if (ts + i2 > F.L - Tq + tq) srow[i2] = NEG_INF;
+        } else if (J.mask) {
+          for (int64_t i2 = 0; i2 < n; ++i2) srow[i2] += J.mask[(b * Tq + tq) * T + ts + i2];
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -328,6 +340,9 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         }
       }
     }
+    std::copy(m, m + rows, J.pm + it * rows);
+    std::copy(l, l + rows, J.pl + it * rows);
+    std::copy(acc, acc + rows * D, J.pa + it * rows * D);
   }
 
   // merge: M = max_s m_s, L = Σ_s l_s e^{m_s − M}, out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
