@@ -309,6 +309,20 @@ def _parts_of(kv):
     return [(k.codes, k.scale, k.zero_point)], [(v.codes, v.scale, v.zero_point)], 0
 
 
+def _kernel_lists(kv) -> tuple:
+    """(key codes, scales, zero points, value codes, scales, zero points, seg) of a history
+    as the batch kernel takes them: lists of tensors, made once per history object (a
+    serving layer hands out the same object until its next page)."""
+    got = kv.__dict__.get("_lessmem_kernel_lists")
+    if got is None:
+        kp, vp, seg = _parts_of(kv)
+        kl, vl = _layouts(kv)
+        got = ([p[0] for p in kp], [p[1] for p in kp], [p[2] for p in kp] if kl.has_zero_point else [],
+               [p[0] for p in vp], [p[1] for p in vp], [p[2] for p in vp] if vl.has_zero_point else [], seg)
+        kv.__dict__["_lessmem_kernel_lists"] = got  # (a frozen dataclass: not through setattr)
+    return got
+
+
 def _layouts(kv) -> tuple:
     """(key layout, value layout) of a QuantKV or SegmentedKV."""
     if isinstance(kv, SegmentedKV):
@@ -350,15 +364,15 @@ def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list,
             raise ValueError(f"history {r} is stored in another format than history 0 "
                              f"({_layouts(kv)[0].bits}/{_layouts(kv)[1].bits} bits, {kl.bits}/{vl.bits} there); "
                              "allowed: one format for all")
-        kp, vp, s = _parts_of(kv)
-        kc.append([p[0] for p in kp])
-        ks.append([p[1] for p in kp])
-        vc.append([p[0] for p in vp])
-        vs.append([p[1] for p in vp])
+        a, b, c, d, e, f, s = _kernel_lists(kv)
+        kc.append(a)
+        ks.append(b)
+        vc.append(d)
+        vs.append(e)
         if kl.has_zero_point:
-            kz.append([p[2] for p in kp])
+            kz.append(c)
         if vl.has_zero_point:
-            vz.append([p[2] for p in vp])
+            vz.append(f)
         seg.append(s)
         fk.append([_fp_piece(p[0]) for p in pieces])
         fv.append([_fp_piece(p[1]) for p in pieces])

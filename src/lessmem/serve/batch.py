@@ -142,6 +142,8 @@ def _tiled(x2: torch.Tensor, weight, bias) -> torch.Tensor:
     pad = -n % TILE
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    if x2.shape[0] == TILE:
+        return F.linear(x2, weight, bias)[:n]
     out = torch.cat([F.linear(x2[i:i + TILE], weight, bias) for i in range(0, x2.shape[0], TILE)])
     return out[:n]
 
@@ -153,7 +155,7 @@ def _invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     total, chunks, rows = plan
-    if x2.shape[0] != total:  # e.g. the lm_head on the rows whose logits are kept
+    if x2.shape[0] != total or not chunks:  # only decode rows (or the lm_head's kept rows)
         out = _tiled(x2, module.weight, module.bias)
     else:
         out = x2.new_empty(x2.shape[0], module.out_features)

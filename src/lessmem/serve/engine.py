@@ -442,6 +442,8 @@ class Engine:
 
     def _stage(self, batch) -> list:
         """Read the lower-tier pages the step needs; requests with a lost page are reset."""
+        if not self.tiers:  # every page is on the device
+            return batch
         keep = []
         for item in batch:
             r = item[0]
@@ -454,6 +456,8 @@ class Engine:
         return keep
 
     def _unstage(self, batch) -> int:
+        if not self.tiers:
+            return 0
         staged = 0
         for r, *_ in batch:
             if r.cache is None:
@@ -523,9 +527,9 @@ class Engine:
         finally:
             if token is not None:
                 RowPlan.done(token)
-        peak = self.device_bytes() + self._unstage(batch)
-        self.counters["peak_device_bytes"] = max(self.counters["peak_device_bytes"], peak)
-        if self.config.kv_budget is not None and self.device_bytes() > self.config.kv_budget:
+        held = self.device_bytes()
+        self.counters["peak_device_bytes"] = max(self.counters["peak_device_bytes"], held + self._unstage(batch))
+        if self.config.kv_budget is not None and held > self.config.kv_budget:
             self.counters["over_budget_steps"] += 1
         for r, toks, is_chunk, _ in batch:
             r.n_cached += len(toks)
