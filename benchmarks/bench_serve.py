@@ -374,6 +374,9 @@ class ServerTarget:
         finally:
             await client.close()
 
+    def drive(self, wl: Workload) -> list[dict]:
+        return asyncio.run(self.run(wl))
+
     def close(self):
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -396,8 +399,7 @@ class EngineTarget:
 
         cfg = EngineConfig(kv=kv, kv_budget=budget, offload=offload, chunk_tokens=chunk, prefix_cache=prefix_cache)
         cfg.check()
-        self.engine = Engine(model, tok, cfg, model_name=MODEL)
-        self.engine.start()
+        self.engine = Engine(model, tok, cfg, model_name=MODEL)  # steps in drive(), on this thread
         self.startup_s = 0.0
 
     def ready(self) -> EngineTarget:
@@ -405,6 +407,25 @@ class EngineTarget:
 
     def metrics(self) -> dict:
         return self.engine.metrics()
+
+    def drive(self, wl: Workload) -> list[dict]:
+        """The workload's client on a thread and the engine stepping on this one, the
+        thread the model was loaded on (as `lessmem serve` does: Engine.start's doc)."""
+        out: dict = {}
+
+        def client():
+            try:
+                out["recs"] = asyncio.run(self.run(wl))
+            except BaseException as e:  # noqa: BLE001 (raised below, on this thread)
+                out["error"] = e
+
+        th = threading.Thread(target=client, name="bench-client", daemon=True)
+        th.start()
+        self.engine.serve_forever(until=lambda: not th.is_alive())
+        th.join()
+        if "error" in out:
+            raise out["error"]
+        return out["recs"]
 
     async def run(self, wl: Workload) -> list[dict]:
         from lessmem.serve import SamplingParams
@@ -472,7 +493,7 @@ def lessmem_row(target, wl: Workload, kv: str, offload_label: str | None, budget
     m0 = target.metrics()
     t0 = time.perf_counter()
     with Sampler(target.metrics, scrape) as sampler:
-        recs = asyncio.run(target.run(wl))
+        recs = target.drive(wl)
     wall = time.perf_counter() - t0
     m1 = target.metrics()
     d = counter_delta(m0, m1)
@@ -526,7 +547,7 @@ def alone_texts(model, tok, kv: str, budget: int, chunk: int, wls: list[Workload
     (nothing shared or kept between them: each starts from an empty cache)."""
     target = EngineTarget(model, tok, kv, budget, None, chunk, prefix_cache=False)
     try:
-        return {wl.name: {i: asyncio.run(target.run(Workload(wl.name, [wl.prompts[i]], [0.0], wl.new_tokens)))[0]["text"]
+        return {wl.name: {i: target.drive(Workload(wl.name, [wl.prompts[i]], [0.0], wl.new_tokens))[0]["text"]
                           for i in indices} for wl in wls}
     finally:
         target.close()
