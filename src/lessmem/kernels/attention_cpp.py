@@ -9,6 +9,11 @@ by exp(m_old − m_new)) and accumulates ``p · v`` with the value rows decoded 
 way. Splits are merged with their log-sum-exp at the end. Nothing the size of the
 history is ever materialized in float.
 
+Two entries share that loop: ``qattn_forward`` (one batch of query rows against one
+history, as a ``KVCache`` layer asks) and ``qattn_batch`` (a serving step: one decode
+row each of many requests, each against its own history and full-precision pieces, in
+one parallel region over requests × KV heads × splits).
+
 Code rows are unpacked as the side's :class:`~lessmem.formats.kvlayout.KVLayout` says:
 the caller passes each side's packing (its id in ``PACKING_IDS``; the ids are compiled
 into the kernel as the constants ``PACK_SPLIT``/``PACK_STREAM`` through ``-D`` flags, so

@@ -8,8 +8,9 @@ step, not once per request), while attention stays per request: ``BatchCache.upd
 cuts the new keys/values at the segment bounds, appends each piece to its request's
 own cache and returns a :class:`BatchView`, which lessmem's attention function
 (:func:`lessmem.kvcache.attention.lessmem_attention`, which calls ``attend`` on any
-view) answers segment by segment, each over its own quantized pages and window: no
-padding to the longest request, no attention mask over the packed sequence. This is the
+view) answers per request, each over its own quantized pages and window (the decode
+rows of all requests in one C++ call, a prompt chunk alone): no padding to the longest
+request, no attention mask over the packed sequence. This is the
 "packed, ragged" batch of Orca/vLLM (Yu et al., 2022, "Orca: A Distributed Serving
 System for Transformer-Based Generative Models"), on lessmem's caches.
 

@@ -34,11 +34,14 @@ Routes:
   — is answered with a 4xx and OpenAI's error body ``{"error": {"message", "type",
   "param", "code"}}`` before anything is queued; the server keeps serving.
 
-How it works: the engine steps in its own thread (``engine.start()``, in the app's
-lifespan). Each request gets an ``asyncio.Queue``; the engine calls the request's
-listener from its thread and the listener hands each :class:`TokenEvent` to the event
-loop with ``loop.call_soon_threadsafe`` (the pattern of vLLM's ``AsyncLLMEngine`` output
-queues, written here for lessmem's engine).
+How it works: the engine steps in a thread of its own, apart from the event loop:
+``lessmem serve`` steps it on the main thread (the one the model was loaded on, see
+``Engine.start``) and runs this app on another (``owns_engine=False``); with the
+default ``owns_engine=True`` the app's lifespan starts the engine's thread. Each request
+gets an ``asyncio.Queue``; the engine calls the request's listener from its thread and
+the listener hands each :class:`TokenEvent` to the event loop with
+``loop.call_soon_threadsafe`` (the pattern of vLLM's ``AsyncLLMEngine`` output queues,
+written here for lessmem's engine).
 """
 
 from __future__ import annotations
