@@ -270,7 +270,7 @@ def check_first_run(data: dict, fresh: bool) -> None:
 def check_serve(data: dict, fresh: bool) -> None:
     h = check_header(data)
     need(h, "command", str, "header")
-    quick = need(h, "quick", bool, "header")
+    need(h, "quick", bool, "header")
     n, p, g = (need(h, k, int, "header") for k in ("requests", "prompt_tokens", "new_tokens"))
     budget = need(h, "kv_budget_bytes", int, "header")
     assert n > 0 and p > 0 and g > 0 and budget > 0, h

@@ -242,10 +242,8 @@ def run(args) -> int:
                             timeout_graceful_shutdown=5)
     server = Server(config)
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="lessmem-http", daemon=True)
-    stopped_by = []
 
     def ask_stop(signum, frame):
-        stopped_by.append(signum)
         server.should_exit = True
 
     previous = {s: signal.signal(s, ask_stop) for s in (signal.SIGINT, signal.SIGTERM)}
