@@ -861,13 +861,12 @@ def main(argv=None) -> int:
 
 def derive(rows: list[dict], one_by_one: dict | None) -> tuple[dict, list[dict]]:
     """The ratios the issue asks for, and its acceptance lines with pass flags."""
-    def find(kv, scenario="distinct"):
-        return next((r for r in rows if r.get("kv") == kv and r.get("offload") is None
-                     and r.get("scenario") == scenario and "engine" in r and r["engine"].startswith("lessmem")), None)
+    def find(kv, tiered=False):
+        return next((r for r in rows if r.get("kv") == kv and (r.get("offload") is not None) == tiered
+                     and r.get("scenario") == "distinct" and "engine" in r and r["engine"].startswith("lessmem")),
+                    None)
 
-    fp16, b4 = find("fp16"), find("best-4")
-    b4t = next((r for r in rows if r.get("kv") == "best-4" and r.get("offload") is not None
-                and r.get("scenario") == "distinct" and str(r.get("engine", "")).startswith("lessmem")), None)
+    fp16, b4, b4t = find("fp16"), find("best-4"), find("best-4", tiered=True)
     base = one_by_one.get("output_tok_s") if one_by_one else None
     derived = {
         "best4_vs_fp16_max_running": (b4["max_running"] / fp16["max_running"]) if fp16 and b4 and fp16["max_running"] else None,

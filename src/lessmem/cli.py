@@ -68,8 +68,7 @@ def _spin_between_ops() -> None:
     """Give the OpenMP runtime back its default wait policy (spin a little, then sleep)
     when it was lessmem's import that asked for PASSIVE, before torch starts: a server
     is the one busy process of its machine, and its compute thread runs thousands of small
-    ops a step; waking a sleeping thread for each cost 2.1x on two cores (12 requests,
-    best-4, 512-token contexts: 345 ms a step passive, 163 ms spinning)."""
+    ops a step, each of which would otherwise wake sleeping threads."""
     if lessmem.OMP_POLICY_FROM_LESSMEM and "torch" not in sys.modules:
         os.environ.pop("OMP_WAIT_POLICY", None)
 

@@ -229,7 +229,7 @@ def _cpu_attention(q, kv, mask, use_cpp):
         return torch_attention(q, kv, mask)
     m = mask if mask is not None else torch.empty(0, dtype=torch.float32)
     e = torch.empty(0, dtype=torch.float32)
-    out, _, lse = mod.qattn_forward(q.float().contiguous(), *_kernel_history(kv), m, _n_split(B, Hkv, T),
+    out, _, lse = mod.qattn_forward(q.float().contiguous(), *_kernel_args(kv), m, _n_split(B, Hkv, T),
                                     e, e, e, e, False)
     return out, lse
 
@@ -297,29 +297,16 @@ def fused_attention(q_h: torch.Tensor, kv: QuantKV, mask_h: torch.Tensor | None,
     e = torch.empty(0, dtype=torch.float32)
     mh = mask_h.float().contiguous() if mask_h is not None else e
     mf = mask_f.float().contiguous() if mask_f is not None else e
-    return mod.qattn_forward(q_h.float().contiguous(), *_kernel_history(kv), mh, _n_split(B, Hkv, T), q_f.float().contiguous(), k_f.float().contiguous(),
+    return mod.qattn_forward(q_h.float().contiguous(), *_kernel_args(kv), mh, _n_split(B, Hkv, T), q_f.float().contiguous(), k_f.float().contiguous(),
                              v_f.float().contiguous(), mf, bool(causal))
 
 
-def _parts_of(kv):
-    """(key parts, value parts, seg) of a QuantKV or SegmentedKV, as ``(codes, scale, zp)``."""
-    if isinstance(kv, SegmentedKV):
-        return kv.k_parts, kv.v_parts, int(kv.seg)
-    k, v = kv.keys, kv.values
-    return [(k.codes, k.scale, k.zero_point)], [(v.codes, v.scale, v.zero_point)], 0
-
-
-def _kernel_lists(kv) -> tuple:
-    """(key codes, scales, zero points, value codes, scales, zero points, seg) of a history
-    as the batch kernel takes them: lists of tensors, made once per history object (a
-    serving layer hands out the same object until its next page)."""
-    got = kv.__dict__.get("_lessmem_kernel_lists")
+def _kernel_args(kv) -> tuple:
+    """:func:`_kernel_history` of ``kv``, made once per history object (a layer hands out
+    the same object until its history grows: a serving step asks for it in every layer)."""
+    got = kv.__dict__.get("_lessmem_kernel_args")
     if got is None:
-        kp, vp, seg = _parts_of(kv)
-        kl, vl = _layouts(kv)
-        got = ([p[0] for p in kp], [p[1] for p in kp], [p[2] for p in kp] if kl.has_zero_point else [],
-               [p[0] for p in vp], [p[1] for p in vp], [p[2] for p in vp] if vl.has_zero_point else [], seg)
-        kv.__dict__["_lessmem_kernel_lists"] = got  # (a frozen dataclass: not through setattr)
+        got = kv.__dict__["_lessmem_kernel_args"] = _kernel_history(kv)  # (frozen: not through setattr)
     return got
 
 
@@ -337,12 +324,6 @@ def _fp_piece(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def batch_split(n_kv_heads: int, n_tokens: int) -> int:
-    """History splits of one request's decode row in :func:`fused_attention_batch`: from
-    the request's own numbers only, so its result does not depend on its batch."""
-    return _n_split(1, n_kv_heads, n_tokens)
-
-
 def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list, fp_pieces: list):
     """Decode rows of many requests in one C++ call (a serving step, ``serve.batch``).
 
@@ -358,30 +339,20 @@ def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list,
     if mod is None or not histories:
         return None
     kl, vl = _layouts(histories[0])
-    kc, ks, kz, vc, vs, vz, seg, fk, fv, splits = [], [], [], [], [], [], [], [], [], []
+    sides = [[] for _ in range(6)]  # key codes, scales, zero points, value codes, scales, zero points
+    seg, fk, fv, splits = [], [], [], []
     for r, (kv, pieces) in enumerate(zip(histories, fp_pieces, strict=True)):
         if _layouts(kv) != (kl, vl):
             raise ValueError(f"history {r} is stored in another format than history 0 "
                              f"({_layouts(kv)[0].bits}/{_layouts(kv)[1].bits} bits, {kl.bits}/{vl.bits} there); "
                              "allowed: one format for all")
-        a, b, c, d, e, f, s = _kernel_lists(kv)
-        kc.append(a)
-        ks.append(b)
-        vc.append(d)
-        vs.append(e)
-        if kl.has_zero_point:
-            kz.append(c)
-        if vl.has_zero_point:
-            vz.append(f)
-        seg.append(s)
+        args = _kernel_args(kv)
+        for lst, part in zip(sides, (*args[0:3], *args[9:12]), strict=True):
+            lst.append(part)
+        seg.append(args[18])
         fk.append([_fp_piece(p[0]) for p in pieces])
         fv.append([_fp_piece(p[1]) for p in pieces])
-        splits.append(batch_split(kv.n_kv_heads, kv.n_tokens))
-    empty_f = torch.empty(0, dtype=torch.float32)
-    klut, vlut = kl.lut("cpu"), vl.lut("cpu")
-    return mod.qattn_batch(
-        q_h.float().contiguous(), q_f.float().contiguous(),
-        kc, ks, kz, klut if klut is not None else empty_f, PACKING_IDS[kl.packing], kl.bits, kl.token_group,
-        kl.channel_group, kl.zero_const,
-        vc, vs, vz, vlut if vlut is not None else empty_f, PACKING_IDS[vl.packing], vl.bits, vl.token_group,
-        vl.channel_group, vl.zero_const, seg, fk, fv, splits)
+        splits.append(_n_split(1, kv.n_kv_heads, kv.n_tokens))  # its own numbers: batch-independent
+    first = _kernel_args(histories[0])
+    return mod.qattn_batch(q_h.float().contiguous(), q_f.float().contiguous(), *sides[0:3], *first[3:9],
+                           *sides[3:6], *first[12:18], seg, fk, fv, splits)

@@ -48,10 +48,6 @@ class Segment:
     chunk: bool  # a prompt chunk (multiplied alone) rather than a decode token
 
 
-def _rot_key(rot):
-    return None if rot is None else (type(rot).__name__, getattr(rot, "n", None), getattr(rot, "seed", id(rot)))
-
-
 class BatchView:
     """Attention over a packed step: each segment against its own cache's view. The
     decode rows (one token of a request with a quantized history) are answered together,
@@ -63,14 +59,14 @@ class BatchView:
         self.views, self.segments = views, segments
 
     def _batchable(self) -> list[int]:
-        rows, key = [], None
+        """Segments answered together: decode rows over a quantized history, rotated like the
+        first of them (a pool's caches share their rotation objects: ``PagePool.rotations``)."""
+        rows, rots = [], None
         for i, (view, s) in enumerate(zip(self.views, self.segments, strict=True)):
             if s.end - s.start != 1 or not isinstance(view, LayerView) or not view.n_history:
                 continue
-            k = (_rot_key(view.rot_k), _rot_key(view.rot_v))
-            if key is None:
-                key = k
-            if k == key:
+            rots = rots or (view.rot_k, view.rot_v)
+            if view.rot_k is rots[0] and view.rot_v is rots[1]:
                 rows.append(i)
         return rows
 

@@ -250,7 +250,6 @@ def run(args) -> int:
     try:
         http.start()
         engine.serve_forever(until=lambda: not http.is_alive())
-        http.join()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -580,9 +580,8 @@ class Engine:
 
         A compute thread that is not the one the model was loaded on gets an OpenMP
         thread team of its own beside the first one; with more OpenMP threads than cores
-        the runtime stops spinning between parallel regions and a decode step of many
-        small ops runs up to 2x slower (12 requests on 2 cores: 163 ms a step on the
-        loading thread, 326 ms on another). Where that matters, step on the loading
+        the runtime stops spinning between parallel regions, and a decode step of many
+        small ops waits on sleeping threads at every op. Where that matters, step on the loading
         thread with :meth:`serve_forever` and put the other work (an HTTP server) on a
         thread instead, as ``lessmem serve`` does."""
         if self._thread is not None:

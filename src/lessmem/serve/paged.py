@@ -69,6 +69,13 @@ class PagePool:
         self.part_bytes: dict[str, int] = {}  # the same, by part name (k_codes, v_scale...)
         self.pages = 0  # live pages (referenced at least once)
         self.epoch = 0  # changes whenever a page leaves or returns to the device
+        self._rotations: dict = {}  # one rotation object per (size, seed) for all its caches
+
+    def rotations(self, rots: tuple) -> tuple:
+        """The pool's own copy of equal rotations (keys, values): every cache of the pool
+        then holds the same objects, so a step's requests are seen to share them."""
+        key = tuple(None if r is None else (type(r), r.n, r.seed, r.block) for r in rots)
+        return self._rotations.setdefault(key, rots)
 
     def add(self, parts: dict[str, torch.Tensor]) -> Page:
         page = Page(parts)
@@ -306,6 +313,7 @@ class PagedKVCache(KVCache):
         super().__init__(model_config, resolve(config), attention)
 
     def _new_layer(self, layer_idx: int) -> PagedKVLayer:
+        self.rotations = self.pool.rotations(self.rotations)
         return PagedKVLayer(self.kv_config, layer_idx, self.rotations, self._fused, self.pool)
 
     def paged_layers(self) -> list[PagedKVLayer]:

@@ -127,21 +127,6 @@ struct RowDecoder {
     sb = q.scale[i] + bh * q.R[i] * q.srow;
     zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
   }
-  // per-channel groups (tg > 1): the group of token t (lt: its index in its segment)
-  // expanded into s (scales) and z (scale · zero) when it is not the current one
-  inline void set_group(int64_t t, int64_t lt) {
-    const int64_t gg = t / q.tg;
-    if (gg == cur) return;
-    const int ng = D / q.dg;
-    const at::Half* sp = sb + (lt / q.tg) * q.srow;
-    const uint8_t* zpp = zb ? zb + (lt / q.tg) * q.srow : nullptr;
-    float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
-    for (int k = 0; k < ng; ++k) {
-      const float a = (float)sp[k], b = zpp ? (float)zpp[k] : q.zc;
-      for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
-    }
-    cur = gg;
-  }
   template <int DC>
   inline void decode(int64_t t, float* __restrict__ out) {
     const int D = DC > 0 ? DC : this->D;
@@ -150,16 +135,24 @@ struct RowDecoder {
     const int64_t lt = t - s0;
     unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
+    const int64_t g = lt / q.tg, gg = t / q.tg;  // group within the segment / overall
+    const int ng = D / q.dg;
+    const at::Half* sp = sb + g * q.srow;
+    const uint8_t* zpp = zb ? zb + g * q.srow : nullptr;
     if (q.tg > 1) {
-      set_group(t, lt);
+      if (gg != cur) {
+        float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
+        for (int k = 0; k < ng; ++k) {
+          const float a = (float)sp[k], b = zpp ? (float)zpp[k] : q.zc;
+          for (int d = k * q.dg; d < (k + 1) * q.dg; ++d) { sv[d] = a; zv[d] = a * b; }
+        }
+        cur = gg;
+      }
       const float* __restrict__ sv = s.data(); const float* __restrict__ zv = z.data();
 #pragma omp simd
       for (int d = 0; d < D; ++d) out[d] = sv[d] * cp[d] - zv[d];
       return;
     }
-    const int ng = D / q.dg;
-    const at::Half* sp = sb + lt * q.srow;
-    const uint8_t* zpp = zb ? zb + lt * q.srow : nullptr;
     for (int k = 0; k < ng; ++k) {
       const float a = (float)sp[k];
       const float az = a * (zpp ? (float)zpp[k] : q.zc);
@@ -413,8 +406,8 @@ std::vector<torch::Tensor> qattn_forward(
   }
   const int64_t nitem = J.nsplit + 1;
   auto pm = torch::full({B, Hkv, nitem, rows}, NEG_INF, torch::kFloat32);
-  auto pl = torch::zeros({B, Hkv, nitem, rows}, torch::kFloat32);
-  auto pa = torch::zeros({B, Hkv, nitem, rows, D}, torch::kFloat32);
+  auto pl = torch::empty({B, Hkv, nitem, rows}, torch::kFloat32);  // read only where pm is set
+  auto pa = torch::empty({B, Hkv, nitem, rows, D}, torch::kFloat32);
   auto out_h = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
   auto out_f = torch::zeros({B, Hq, Tq, D}, torch::kFloat32);
   auto lse = torch::full({B, Hq, Tq}, NEG_INF, torch::kFloat32);
@@ -493,8 +486,7 @@ std::vector<torch::Tensor> qattn_batch(
     }
     const int64_t n = Hkv * (J.nsplit + 1) * nrep;
     J.pm = pp + used; J.pl = pp + used + n; J.pa = pp + used + 2 * n;
-    std::fill(J.pm, J.pm + n, NEG_INF);
-    std::fill(J.pl, J.pl + n * (D + 1), 0.f);
+    std::fill(J.pm, J.pm + n, NEG_INF);  // an item with no tokens stays -inf: merged as empty
     used += n * (D + 2);
     J.oh = out_h.data_ptr<float>() + r * Hq * D; J.of = out_f.data_ptr<float>() + r * Hq * D;
   }
