@@ -310,6 +310,26 @@ def _kernel_args(kv) -> tuple:
     return got
 
 
+def _kernel_table(kv) -> torch.Tensor:
+    """The pointer table ``qattn_batch`` reads ``kv``'s parts through (``side_from_table``
+    in ``csrc/attention.cpp``): per side ``[segments, row bytes, has zero points]`` then
+    ``[tokens, scale rows, codes, scale, zero point]`` addresses per segment. Made once
+    per history object, which keeps the (uint8 / fp16, contiguous) tensors it points into."""
+    got = kv.__dict__.get("_lessmem_kernel_table")
+    if got is None:
+        args, keep, rows = _kernel_args(kv), [], []
+        for codes, scales, zps in ((args[0], args[1], args[2]), (args[9], args[10], args[11])):
+            rows += [len(codes), int(codes[0].shape[3]), int(bool(zps))]
+            for i, (c, s) in enumerate(zip(codes, scales, strict=True)):
+                c, s = c.to(torch.uint8).contiguous(), s.to(torch.float16).contiguous()
+                z = zps[i].to(torch.uint8).contiguous() if zps else None
+                keep += [c, s] if z is None else [c, s, z]
+                rows += [int(c.shape[2]), int(s.shape[2]), c.data_ptr(), s.data_ptr(),
+                         0 if z is None else z.data_ptr()]
+        got = kv.__dict__["_lessmem_kernel_table"] = (torch.tensor(rows, dtype=torch.int64), keep)
+    return got[0]
+
+
 def _layouts(kv) -> tuple:
     """(key layout, value layout) of a QuantKV or SegmentedKV."""
     if isinstance(kv, SegmentedKV):
@@ -339,20 +359,17 @@ def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list,
     if mod is None or not histories:
         return None
     kl, vl = _layouts(histories[0])
-    sides = [[] for _ in range(6)]  # key codes, scales, zero points, value codes, scales, zero points
-    seg, fk, fv, splits = [], [], [], []
+    tables, seg, fk, fv, splits = [], [], [], [], []
     for r, (kv, pieces) in enumerate(zip(histories, fp_pieces, strict=True)):
         if _layouts(kv) != (kl, vl):
             raise ValueError(f"history {r} is stored in another format than history 0 "
                              f"({_layouts(kv)[0].bits}/{_layouts(kv)[1].bits} bits, {kl.bits}/{vl.bits} there); "
                              "allowed: one format for all")
-        args = _kernel_args(kv)
-        for lst, part in zip(sides, (*args[0:3], *args[9:12]), strict=True):
-            lst.append(part)
-        seg.append(args[18])
+        tables.append(_kernel_table(kv))
+        seg.append(_kernel_args(kv)[18])
         fk.append([_fp_piece(p[0]) for p in pieces])
         fv.append([_fp_piece(p[1]) for p in pieces])
         splits.append(_n_split(1, kv.n_kv_heads, kv.n_tokens))  # its own numbers: batch-independent
     first = _kernel_args(histories[0])
-    return mod.qattn_batch(q_h.float().contiguous(), q_f.float().contiguous(), *sides[0:3], *first[3:9],
-                           *sides[3:6], *first[12:18], seg, fk, fv, splits)
+    return mod.qattn_batch(q_h.float().contiguous(), q_f.float().contiguous(), tables, histories[0].n_kv_heads,
+                           *first[3:9], *first[12:18], seg, fk, fv, splits)

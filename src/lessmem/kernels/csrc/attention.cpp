@@ -54,6 +54,45 @@ inline void dot8(const float* __restrict__ q, const float* __restrict__ k, int64
 }
 #endif
 
+// n halves as floats (eight at a time with F16C; the scalar conversion does not vectorize)
+inline void half_to_float(const at::Half* __restrict__ h, float* __restrict__ out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = (float)h[i];
+}
+
+// a[0:D] += Σ_i w[i] · v[i·D : (i+1)·D] for n rows v: the accumulator stays in registers
+// across the tile (32 lanes a pass) instead of being loaded and stored once per token.
+inline void pv_rows(float* __restrict__ a, const float* __restrict__ w, const float* __restrict__ v, int64_t n,
+                    int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 32 == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      __m256 r0 = _mm256_loadu_ps(a + d0), r1 = _mm256_loadu_ps(a + d0 + 8);
+      __m256 r2 = _mm256_loadu_ps(a + d0 + 16), r3 = _mm256_loadu_ps(a + d0 + 24);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 b = _mm256_set1_ps(w[i]);
+        const float* vp = v + i * D + d0;
+        r0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vp), r0); r1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vp + 8), r1);
+        r2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vp + 16), r2); r3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vp + 24), r3);
+      }
+      _mm256_storeu_ps(a + d0, r0); _mm256_storeu_ps(a + d0 + 8, r1);
+      _mm256_storeu_ps(a + d0 + 16, r2); _mm256_storeu_ps(a + d0 + 24, r3);
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = w[i];
+    const float* __restrict__ vp = v + i * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) a[d] += p * vp[d];
+  }
+}
+
 // The history may arrive as segments (blocks fetched from different places, never
 // concatenated): segment i holds tokens [i·seg, i·seg + T_i), each with its own codes,
 // scales and zero points laid out as one contiguous [B, H, T_i, ·] stream; every segment
@@ -127,6 +166,30 @@ struct RowDecoder {
     sb = q.scale[i] + bh * q.R[i] * q.srow;
     zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
   }
+  // token t's codes as floats (level table applied), no scale: the folded paths' input
+  template <int DC>
+  inline void raw(int64_t t, float* __restrict__ out) {
+    const int D = DC > 0 ? DC : this->D;
+    if (t < s0 || t >= s1) locate(t);
+    unpack_row(cb + (t - s0) * q.rb, q.packing, q.bits, D, out);
+    if (q.lut) { for (int d = 0; d < D; ++d) out[d] = q.lut[(int)out[d]]; }
+  }
+  // ask for tokens [t, t + n)'s code rows ahead of use (within the located segment): an
+  // item's streams are short, and the hardware prefetcher alone leaves most of a cold
+  // history's reads waiting on memory
+  inline void prefetch(int64_t t, int64_t n) const {
+    if (t < s0 || t >= s1) return;
+    const int64_t e = std::min(s1, t + n);
+    const uint8_t* a = cb + (t - s0) * q.rb; const uint8_t* z = cb + (e - s0) * q.rb;
+    for (; a < z; a += 64) __builtin_prefetch(a, 0, 3);
+    const at::Half* sa = sb + group_row(t); const at::Half* se = sb + group_row(e - 1) + q.srow;
+    for (const char* c = reinterpret_cast<const char*>(sa); c < reinterpret_cast<const char*>(se); c += 64)
+      __builtin_prefetch(c, 0, 3);
+  }
+  // scale and zero point rows of token t's group (t in the segment last located)
+  inline int64_t group_row(int64_t t) const { return (q.tg == 1 ? t - s0 : (t - s0) / q.tg) * q.srow; }
+  inline const at::Half* scale_row(int64_t t) const { return sb + group_row(t); }
+  inline const uint8_t* zero_row(int64_t t) const { return zb ? zb + group_row(t) : nullptr; }
   template <int DC>
   inline void decode(int64_t t, float* __restrict__ out) {
     const int D = DC > 0 ? DC : this->D;
@@ -135,7 +198,7 @@ struct RowDecoder {
     const int64_t lt = t - s0;
     unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
-    const int64_t g = lt / q.tg, gg = t / q.tg;  // group within the segment / overall
+    const int64_t g = q.tg == 1 ? lt : lt / q.tg, gg = q.tg == 1 ? t : t / q.tg;  // in the segment / overall
     const int ng = D / q.dg;
     const at::Half* sp = sb + g * q.srow;
     const uint8_t* zpp = zb ? zb + g * q.srow : nullptr;
@@ -191,6 +254,29 @@ QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch
   s.rb = (int)codes[0].size(3); s.srow = D / dg; s.seg = seg;
   return s;
 }
+// A side from a history's pointer table (built once per history object by
+// kernels.attention._kernel_table, which keeps the tensors it points into alive):
+// [nseg, rb, has_zp, then per segment T, R, codes, scale, zero point], from t[pos] on.
+QSide side_from_table(const int64_t* t, int64_t& pos, int64_t len, const torch::Tensor& lut, int64_t packing,
+                      int64_t bits, int64_t tg, int64_t dg, double zc, int D, int64_t seg) {
+  TORCH_CHECK(pos + 3 <= len, "qattn_batch: history table too short");
+  const int64_t n = t[pos], rb = t[pos + 1];
+  QSide s;
+  s.has_zp = t[pos + 2] != 0;
+  pos += 3;
+  TORCH_CHECK(n > 0 && pos + 5 * n <= len, "qattn_batch: history table too short for ", n, " segments");
+  for (int64_t i = 0; i < n; ++i, pos += 5) {
+    s.T.push_back(t[pos]); s.R.push_back(t[pos + 1]);
+    s.codes.push_back(reinterpret_cast<const uint8_t*>(t[pos + 2]));
+    s.scale.push_back(reinterpret_cast<const at::Half*>(t[pos + 3]));
+    s.zp.push_back(s.has_zp ? reinterpret_cast<const uint8_t*>(t[pos + 4]) : nullptr);
+  }
+  s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
+  TORCH_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
+  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
+  s.rb = (int)rb; s.srow = D / dg; s.seg = seg;
+  return s;
+}
 }  // namespace
 
 // Full-precision part (sinks, window, current chunk): float rows read directly, scored
@@ -215,9 +301,7 @@ struct FpPart {
     const int64_t n = off[p + 1] - off[p], at = (bh * n + t - off[p]) * D;
     const void* base = side ? v[p] : k[p];
     if (!half[p]) return static_cast<const float*>(base) + at;
-    const at::Half* h = static_cast<const at::Half*>(base) + at;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) buf[d] = (float)h[d];
+    half_to_float(static_cast<const at::Half*>(base) + at, buf, D);
     return buf;
   }
 };
@@ -250,14 +334,23 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     const QSide& K = *J.K; const QSide& V = *J.V; const FpPart& F = J.F;
     const int64_t it = gi - first[j], Tq = J.Tq, T = J.T, nsplit = J.nsplit, rows = nrep * Tq;
     const int64_t nitem = nsplit + 1;  // the last split of each (b, h) is the fp part
-    const int64_t per = T > 0 ? (T + nsplit - 1) / nsplit : 0;
+    // Folded keys: with per-channel groups of a multiple of TILE tokens, splits start on a
+    // group boundary, so each tile lies in one group and q·k = (q∘s)·c − q·(s∘z): the
+    // scales go into the query rows once a tile and the key rows are only unpacked.
+    const bool kfold = K.tg > 1 && K.tg % TILE == 0 && !K.lut;
+    // Folded values: one scale per token, p·v = (p·s)·c − p·s·z, the second term summed
+    // per row and taken off the accumulator at the end.
+    const bool vfold = V.tg == 1 && V.srow == 1 && !V.lut;
+    int64_t per = T > 0 ? (T + nsplit - 1) / nsplit : 0;
+    if (kfold) per = (per + K.tg - 1) / K.tg * K.tg;
     const int64_t sp = it % nitem, bh = it / nitem, b = bh / Hkv, h = bh % Hkv;
     const bool fp = sp == nsplit;
     const int64_t t0 = fp ? 0 : sp * per;
     const int64_t t1 = fp ? F.L : std::min(T, t0 + per);
     if (t0 >= t1) continue;
+    const bool kf = kfold && !fp, vf = vfold && !fp;
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
-    std::vector<float> vf(D), sc(rows * TILE);
+    std::vector<float> sc(rows * TILE), w(TILE), va(TILE), vz(TILE);
     const float* qbase = fp ? F.q : J.q;
     std::vector<const float*> qrow(rows); std::vector<int64_t> rtq(rows);
     for (int64_t r = 0; r < rows; ++r) {
@@ -265,23 +358,56 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       qrow[r] = qbase + ((b * Hq + h * nrep + r / Tq) * Tq + rtq[r]) * D;
     }
     // running max / sum / accumulator in this item's own memory (the partial buffers of
-    // neighbouring items share cache lines: writing them per tile made threads fight)
-    std::vector<float> mla(rows * (D + 2)), kbuf(TILE * D);
-    float* m = mla.data(); float* l = m + rows; float* acc = l + rows;
+    // neighbouring items share cache lines: writing them per tile made threads fight);
+    // zs: the folded values' zero-point sums; qs, kz: the folded query rows and offsets
+    std::vector<float> mla(rows * (D + 3)), kbuf(TILE * D), vbuf(TILE * D), qs(kf ? rows * D : 0);
+    float* m = mla.data(); float* l = m + rows; float* zs = l + rows; float* acc = zs + rows;
+    std::vector<float> kz(rows), kbuf_s(kf ? 2 * D : 0);
     std::fill(m, m + rows, NEG_INF);
+    int64_t kgroup = -1;
     for (int64_t ts = t0; ts < t1; ts += TILE) {
       const int64_t n = std::min<int64_t>(TILE, t1 - ts);
-      float* __restrict__ kb = kbuf.data();  // the tile's keys as float rows
+      float* __restrict__ kb = kbuf.data();  // the tile's keys as float rows (codes when folded)
+      float* __restrict__ vb = vbuf.data();
+      if (!fp) {  // the tile after next, of both sides
+        const int64_t ahead = ts + 2 * TILE;
+        if (ahead < t1) { kd.prefetch(ahead, std::min<int64_t>(TILE, t1 - ahead)); vd.prefetch(ahead, std::min<int64_t>(TILE, t1 - ahead)); }
+        if (ts == t0) {  // and the first two tiles
+          kd.locate(ts); vd.locate(ts);
+          kd.prefetch(ts, std::min<int64_t>(2 * TILE, t1 - ts)); vd.prefetch(ts, std::min<int64_t>(2 * TILE, t1 - ts));
+        }
+      }
       for (int64_t i = 0; i < n; ++i) {
         if (fp) {
           const float* src = F.row(0, bh, ts + i, D, kb + i * D);
           if (src != kb + i * D) std::copy(src, src + D, kb + i * D);
+        } else if (kf) {
+          kd.template raw<DC>(ts + i, kb + i * D);
         } else {
           kd.template decode<DC>(ts + i, kb + i * D);
         }
       }
+      if (kf && ts / K.tg != kgroup) {  // a new key group: scale the query rows
+        kgroup = ts / K.tg;
+        const at::Half* s = kd.scale_row(ts); const uint8_t* z = kd.zero_row(ts);
+        float* __restrict__ ks = kbuf_s.data(); float* __restrict__ kzv = ks + D;  // per channel
+        if (K.dg == 1) {
+          half_to_float(s, ks, D);
+          for (int64_t d = 0; d < D; ++d) kzv[d] = z ? (float)z[d] : K.zc;
+        } else {
+          for (int64_t d = 0; d < D; ++d) { ks[d] = (float)s[d / K.dg]; kzv[d] = z ? (float)z[d / K.dg] : K.zc; }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* __restrict__ qr = qrow[r];
+          float* __restrict__ o = qs.data() + r * D;
+          float off = 0.f;
+#pragma omp simd reduction(+:off)
+          for (int64_t d = 0; d < D; ++d) { o[d] = qr[d] * ks[d]; off += o[d] * kzv[d]; }
+          kz[r] = off;
+        }
+      }
       for (int64_t r = 0; r < rows; ++r) {
-        const float* __restrict__ qr = qrow[r];
+        const float* __restrict__ qr = kf ? qs.data() + r * D : qrow[r];
         float* __restrict__ srow = sc.data() + r * TILE;
         int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -295,6 +421,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
           for (int64_t d = 0; d < D; ++d) s += qr[d] * kp[d];
           srow[i] = s;
         }
+        if (kf) for (int64_t i2 = 0; i2 < n; ++i2) srow[i2] -= kz[r];
         const int64_t tq = rtq[r];
         if (fp) {
           if (F.mask)
@@ -311,7 +438,10 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         if (mx == NEG_INF) { for (int64_t i = 0; i < n; ++i) sc[r * TILE + i] = 0.f; continue; }
         const float mnew = std::max(m[r], mx);
         const float corr = (m[r] == NEG_INF) ? 0.f : std::exp(m[r] - mnew);
-        if (corr != 1.f) { l[r] *= corr; for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= corr; }
+        if (corr != 1.f) {
+          l[r] *= corr; zs[r] *= corr;
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= corr;
+        }
         m[r] = mnew;
         float sum = 0.f;
         float* __restrict__ srow = sc.data() + r * TILE;
@@ -319,20 +449,34 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         for (int64_t i = 0; i < n; ++i) { const float p = exp_neg(srow[i] - mnew); srow[i] = p; sum += p; }
         l[r] += sum;
       }
-      for (int64_t i = 0; i < n; ++i) {
+      for (int64_t i = 0; i < n; ++i) {  // the tile's values as float rows (codes when folded)
         const int64_t t = ts + i;
-        const float* __restrict__ vp;
-        if (fp) vp = F.row(1, bh, t, D, vf.data());
-        else { vd.template decode<DC>(t, vf.data()); vp = vf.data(); }
-        for (int64_t r = 0; r < rows; ++r) {
-          const float p = sc[r * TILE + i];
-          if (p == 0.f) continue;
-          float* __restrict__ a = acc + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vp[d];
+        if (fp) {
+          const float* src = F.row(1, bh, t, D, vb + i * D);
+          if (src != vb + i * D) std::copy(src, src + D, vb + i * D);
+        } else if (vf) {
+          vd.template raw<DC>(t, vb + i * D);
+          const float a = (float)*vd.scale_row(t); const uint8_t* z = vd.zero_row(t);
+          va[i] = a; vz[i] = a * (z ? (float)*z : V.zc);
+        } else {
+          vd.template decode<DC>(t, vb + i * D);
         }
       }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* __restrict__ p = sc.data() + r * TILE;
+        const float* wr = p;
+        if (vf) {
+          float zsum = 0.f;
+          for (int64_t i = 0; i < n; ++i) { w[i] = p[i] * va[i]; zsum += p[i] * vz[i]; }
+          zs[r] += zsum;
+          wr = w.data();
+        }
+        pv_rows(acc + r * D, wr, vb, n, D);
+      }
     }
+    if (vf)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] -= zs[r];
     std::copy(m, m + rows, J.pm + it * rows);
     std::copy(l, l + rows, J.pl + it * rows);
     std::copy(acc, acc + rows * D, J.pa + it * rows * D);
@@ -418,46 +562,43 @@ std::vector<torch::Tensor> qattn_forward(
 }
 
 // Decode rows of many requests at once (a serving step): request r has one query row
-// q[r] [Hq, D] (scaled, rotated like its keys) for its quantized history — the parts
-// kc[r], ks[r], kz[r] / vc[r], vs[r], vz[r], seg[r] tokens each, as in qattn_forward —
-// and qf[r] (scaled, unrotated) for its full-precision pieces fk[r][i], fv[r][i]
+// q[r] [Hq, D] (scaled, rotated like its keys) for its quantized history — its parts'
+// pointer table tables[r] (side_from_table; segments of seg[r] tokens, as in
+// qattn_forward: read through a table made once per history object, since converting
+// each step's thousand part tensors cost more than the attention itself on a cold
+// cache) — and qf[r] (scaled, unrotated) for its full-precision pieces fk[r][i], fv[r][i]
 // [1, Hkv, L_i, D] float32 or float16 (sinks, window, current token: all visible). All requests
 // share the formats. One parallel region over requests × KV heads × splits. Returns
 // {out_h, out_f} [R, Hq, D], divided by each row's joint softmax sum (as qattn_forward).
 std::vector<torch::Tensor> qattn_batch(
-    torch::Tensor q, torch::Tensor qf,
-    std::vector<std::vector<torch::Tensor>> kc, std::vector<std::vector<torch::Tensor>> ks,
-    std::vector<std::vector<torch::Tensor>> kz, torch::Tensor klut, int64_t kpack, int64_t kbits, int64_t ktg,
-    int64_t kdg, double kzc, std::vector<std::vector<torch::Tensor>> vc,
-    std::vector<std::vector<torch::Tensor>> vs, std::vector<std::vector<torch::Tensor>> vz, torch::Tensor vlut,
-    int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, std::vector<int64_t> seg,
+    torch::Tensor q, torch::Tensor qf, std::vector<torch::Tensor> tables, int64_t Hkv,
+    torch::Tensor klut, int64_t kpack, int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
+    torch::Tensor vlut, int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, std::vector<int64_t> seg,
     std::vector<std::vector<torch::Tensor>> fk, std::vector<std::vector<torch::Tensor>> fv,
     std::vector<int64_t> nsplit) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous() && qf.sizes() == q.sizes()
               && qf.scalar_type() == torch::kFloat32 && qf.is_contiguous(),
               "qattn_batch: q and qf must be contiguous float32 [R, Hq, D] of one shape");
   const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(kc.size() == (size_t)R && ks.size() == (size_t)R && vc.size() == (size_t)R
-              && vs.size() == (size_t)R && seg.size() == (size_t)R && fk.size() == (size_t)R
-              && fv.size() == (size_t)R && nsplit.size() == (size_t)R
-              && (kz.empty() || kz.size() == (size_t)R) && (vz.empty() || vz.size() == (size_t)R),
-              "qattn_batch: one list of parts per request (", R, " requests)");
+  TORCH_CHECK(tables.size() == (size_t)R && seg.size() == (size_t)R && fk.size() == (size_t)R
+              && fv.size() == (size_t)R && nsplit.size() == (size_t)R,
+              "qattn_batch: one history table, seg, piece list and split count per request (", R, " requests)");
   TORCH_CHECK(R > 0, "qattn_batch: no requests");
-  const int64_t Hkv = kc[0][0].size(1), nrep = Hq / Hkv;
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "qattn_batch: query heads ", Hq, " not a multiple of KV heads ", Hkv);
-  std::vector<torch::Tensor> keep;
-  size_t nparts = 0;
-  for (int64_t r = 0; r < R; ++r) nparts += kc[r].size() + vc[r].size();
-  keep.reserve(3 * nparts);  // no reallocation: each QSide holds raw pointers
+  const int64_t nrep = Hq / Hkv;
   std::vector<QSide> K, V;
   K.reserve(R); V.reserve(R);
-  const std::vector<torch::Tensor> none;
   int64_t total_items = 0;
+  std::vector<int64_t> Ts(R, 0);
   for (int64_t r = 0; r < R; ++r) {
-    K.push_back(make_side(kc[r], ks[r], kz.empty() ? none : kz[r], klut, kpack, kbits, ktg, kdg, kzc, (int)D,
-                          seg[r], keep));
-    V.push_back(make_side(vc[r], vs[r], vz.empty() ? none : vz[r], vlut, vpack, vbits, vtg, vdg, vzc, (int)D,
-                          seg[r], keep));
+    const auto& tb = tables[r];
+    TORCH_CHECK(tb.scalar_type() == torch::kInt64 && tb.dim() == 1 && tb.is_contiguous(),
+                "qattn_batch: history tables must be contiguous int64 vectors");
+    const int64_t* t = tb.data_ptr<int64_t>();
+    int64_t pos = 0;
+    K.push_back(side_from_table(t, pos, tb.numel(), klut, kpack, kbits, ktg, kdg, kzc, (int)D, seg[r]));
+    V.push_back(side_from_table(t, pos, tb.numel(), vlut, vpack, vbits, vtg, vdg, vzc, (int)D, seg[r]));
+    for (auto x : K.back().T) Ts[r] += x;
     total_items += Hkv * ((nsplit[r] < 1 ? 1 : nsplit[r]) + 1);
   }
   auto part = torch::empty({total_items * nrep * (D + 2)}, torch::kFloat32);
@@ -469,8 +610,7 @@ std::vector<torch::Tensor> qattn_batch(
   for (int64_t r = 0; r < R; ++r) {
     Job& J = jobs[r];
     J.K = &K[r]; J.V = &V[r]; J.B = 1; J.Tq = 1; J.nsplit = nsplit[r] < 1 ? 1 : nsplit[r];
-    J.T = 0;
-    for (const auto& c : kc[r]) J.T += c.size(2);
+    J.T = Ts[r];
     J.q = q.data_ptr<float>() + r * Hq * D;
     J.F.q = qf.data_ptr<float>() + r * Hq * D;
     TORCH_CHECK(fk[r].size() == fv[r].size(), "qattn_batch: as many value pieces as key pieces");
