@@ -22,6 +22,7 @@ from lessmem._cli_model import check_model
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 PREEMPT = ("auto", "swap", "recompute")
+SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval while serving (run())
 # EngineConfig field -> the option that sets it (its check errors name the field)
 FIELD_OPTIONS = {"kv_budget": "--kv-budget", "offload": "--offload", "max_running": "--max-running",
                  "chunk_tokens": "--chunk-tokens", "preempt": "--preempt", "prefix_cache": "--no-prefix-cache",
@@ -247,6 +248,10 @@ def run(args) -> int:
         server.should_exit = True
 
     previous = {s: signal.signal(s, ask_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # The engine thread holds the GIL between its thousands of small ops a step (most
+    # torch CPU ops keep it) and the HTTP thread wants it for a moment per token sent:
+    # with Python's 5 ms switch interval each hand-over could stall one side that long.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         http.start()
         engine.serve_forever(until=lambda: not http.is_alive())
