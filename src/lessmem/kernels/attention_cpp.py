@@ -6,7 +6,10 @@ dequantizes ``k = scale · (lut[c] − z)``, dots it with the n_rep·Tq query ro
 KV head (GQA: all query heads of the group share the decoded row), then does the
 online-softmax update (flash attention: running max m, running sum l, rescale acc
 by exp(m_old − m_new)) and accumulates ``p · v`` with the value rows decoded the same
-way. Splits are merged with their log-sum-exp at the end. Nothing the size of the
+way. Where the format allows, the scales are folded instead of applied per element:
+per-channel key groups of a multiple of TILE tokens scale the query rows once a tile
+(``q·k = (q∘s)·c − q·(s∘z)``; splits then start on a group boundary), and one scale
+per value token scales p (``Σ p·s·c − Σ p·s·z``). Splits are merged with their log-sum-exp at the end. Nothing the size of the
 history is ever materialized in float.
 
 Two entries share that loop: ``qattn_forward`` (one batch of query rows against one

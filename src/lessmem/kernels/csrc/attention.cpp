@@ -166,25 +166,11 @@ struct RowDecoder {
     sb = q.scale[i] + bh * q.R[i] * q.srow;
     zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
   }
-  // token t's codes as floats (level table applied), no scale: the folded paths' input
+  // token t's codes as floats, no scale: the folded paths' input (sides without a level table)
   template <int DC>
   inline void raw(int64_t t, float* __restrict__ out) {
-    const int D = DC > 0 ? DC : this->D;
     if (t < s0 || t >= s1) locate(t);
-    unpack_row(cb + (t - s0) * q.rb, q.packing, q.bits, D, out);
-    if (q.lut) { for (int d = 0; d < D; ++d) out[d] = q.lut[(int)out[d]]; }
-  }
-  // ask for tokens [t, t + n)'s code rows ahead of use (within the located segment): an
-  // item's streams are short, and the hardware prefetcher alone leaves most of a cold
-  // history's reads waiting on memory
-  inline void prefetch(int64_t t, int64_t n) const {
-    if (t < s0 || t >= s1) return;
-    const int64_t e = std::min(s1, t + n);
-    const uint8_t* a = cb + (t - s0) * q.rb; const uint8_t* z = cb + (e - s0) * q.rb;
-    for (; a < z; a += 64) __builtin_prefetch(a, 0, 3);
-    const at::Half* sa = sb + group_row(t); const at::Half* se = sb + group_row(e - 1) + q.srow;
-    for (const char* c = reinterpret_cast<const char*>(sa); c < reinterpret_cast<const char*>(se); c += 64)
-      __builtin_prefetch(c, 0, 3);
+    unpack_row(cb + (t - s0) * q.rb, q.packing, q.bits, DC > 0 ? DC : this->D, out);
   }
   // scale and zero point rows of token t's group (t in the segment last located)
   inline int64_t group_row(int64_t t) const { return (q.tg == 1 ? t - s0 : (t - s0) / q.tg) * q.srow; }
@@ -198,11 +184,11 @@ struct RowDecoder {
     const int64_t lt = t - s0;
     unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
     if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
-    const int64_t g = q.tg == 1 ? lt : lt / q.tg, gg = q.tg == 1 ? t : t / q.tg;  // in the segment / overall
     const int ng = D / q.dg;
-    const at::Half* sp = sb + g * q.srow;
-    const uint8_t* zpp = zb ? zb + g * q.srow : nullptr;
+    const at::Half* sp = scale_row(t);
+    const uint8_t* zpp = zero_row(t);
     if (q.tg > 1) {
+      const int64_t gg = t / q.tg;  // the group overall: its expanded scales are kept
       if (gg != cur) {
         float* __restrict__ sv = s.data(); float* __restrict__ zv = z.data();
         for (int k = 0; k < ng; ++k) {
@@ -226,6 +212,15 @@ struct RowDecoder {
   }
 };
 
+// The format fields of a side (its parts' pointers are set by the caller).
+void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bits, int64_t tg, int64_t dg,
+                double zc, int D, int64_t seg, int64_t rb) {
+  s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
+  TORCH_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
+  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
+  s.rb = (int)rb; s.srow = D / dg; s.seg = seg;
+}
+
 // codes[i] [B, H, T_i, rb] uint8, scale[i] fp16 and zp[i] uint8 (empty list: none)
 // [B, H, ceil(T_i / tg), D / dg]; all contiguous (checked by the Python caller).
 QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scale,
@@ -248,10 +243,7 @@ QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch
     s.T.push_back(codes[i].size(2));
     s.R.push_back(scale[i].size(2));
   }
-  s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
-  TORCH_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
-  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
-  s.rb = (int)codes[0].size(3); s.srow = D / dg; s.seg = seg;
+  set_format(s, lut, packing, bits, tg, dg, zc, D, seg, codes[0].size(3));
   return s;
 }
 // A side from a history's pointer table (built once per history object by
@@ -271,10 +263,7 @@ QSide side_from_table(const int64_t* t, int64_t& pos, int64_t len, const torch::
     s.scale.push_back(reinterpret_cast<const at::Half*>(t[pos + 3]));
     s.zp.push_back(s.has_zp ? reinterpret_cast<const uint8_t*>(t[pos + 4]) : nullptr);
   }
-  s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
-  TORCH_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
-  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
-  s.rb = (int)rb; s.srow = D / dg; s.seg = seg;
+  set_format(s, lut, packing, bits, tg, dg, zc, D, seg, rb);
   return s;
 }
 }  // namespace
@@ -369,14 +358,6 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       const int64_t n = std::min<int64_t>(TILE, t1 - ts);
       float* __restrict__ kb = kbuf.data();  // the tile's keys as float rows (codes when folded)
       float* __restrict__ vb = vbuf.data();
-      if (!fp) {  // the tile after next, of both sides
-        const int64_t ahead = ts + 2 * TILE;
-        if (ahead < t1) { kd.prefetch(ahead, std::min<int64_t>(TILE, t1 - ahead)); vd.prefetch(ahead, std::min<int64_t>(TILE, t1 - ahead)); }
-        if (ts == t0) {  // and the first two tiles
-          kd.locate(ts); vd.locate(ts);
-          kd.prefetch(ts, std::min<int64_t>(2 * TILE, t1 - ts)); vd.prefetch(ts, std::min<int64_t>(2 * TILE, t1 - ts));
-        }
-      }
       for (int64_t i = 0; i < n; ++i) {
         if (fp) {
           const float* src = F.row(0, bh, ts + i, D, kb + i * D);
