@@ -345,7 +345,35 @@ def check_serve(data: dict, fresh: bool) -> None:
     assert alone["pass"] == (checked > 0 and sum(r["matches_alone"] for r in lm) == checked), alone
 
 
+def check_e2e(data: dict, fresh: bool) -> None:
+    h = check_header(data)
+    bw = positive(h, "bandwidth_gbs", "header")
+    assert 1 < bw < 10_000, f"bandwidth {bw} GB/s"
+    imports = need(data, "bare_imports_rss_mib", dict, "result")
+    assert positive(imports, "lessmem", "bare_imports_rss_mib") > 100  # python + torch alone exceed it
+    rows = need(data, "rows", list, "result")
+    assert rows, "no rows"
+    dyn = {r["prompt_tokens"]: r for r in rows if r.get("row") == "lessmem DynamicCache"}
+    for i, r in enumerate(rows):
+        w = f"rows[{i}]"
+        name, n = need(r, "row", str, w), need(r, "prompt_tokens", int, w)
+        for key in ("tok_per_s", "prefill_s", "peak_rss_mib", "decode_peak_rss_mib", "bytes_per_step",
+                    "floor_step_s", "step_s", "step_over_floor"):
+            positive(r, key, w)
+        assert need(r, "kv_bytes", int, w) > 0
+        assert abs(r["step_s"] * r["tok_per_s"] - 1) < 1e-6, f"{w}: step_s is not 1 / tok_per_s"
+        assert r["step_over_floor"] > 0.5, f"{w}: a step faster than its bytes / bandwidth floor"
+        assert r["peak_rss_mib"] >= r["decode_peak_rss_mib"] - 1
+        if name.startswith("lessmem ") and name != "lessmem DynamicCache" and n in dyn:
+            assert r["kv_bytes"] < dyn[n]["kv_bytes"], f"{w}: a quantized cache no smaller than DynamicCache"
+        if "tokens_equal_llama_f16" in r:
+            assert 0 <= need(r, "tokens_equal_llama_f16", int, w) <= h["new_tokens"]
+    t = need(data, "targets", dict, "result")
+    assert need(t, "rss_rule_met", bool, "targets") == (t["rss_rule_max_ratio"] <= 1.2)
+
+
 CHECKS = {  # benchmark script -> checker of the JSON it writes
+    "bench_e2e.py": check_e2e,
     "bench_formats.py": check_formats,
     "bench_gguf_linear.py": check_gguf_linear,
     "bench_linear.py": check_linear,

@@ -157,3 +157,12 @@ def check_model(name: str, option: str = "--model") -> None:
     raise OptionError(option, name, f"unknown model {str(name)!r}; allowed: a built-in alias "
                       f"({', '.join(models.BUILTIN)}), an existing .gguf file or model directory, "
                       "or a hub id org/name")
+
+
+WEIGHTS_HELP = ("stored (default): a GGUF file's quantized weights kept as its blocks, memory-mapped, "
+                "never inflated to floats; float: dequantized to float32 by transformers")
+
+
+def add_weights_option(p) -> None:
+    """``--weights stored|float``, passed to ``lessmem.load(..., weights=)``."""
+    p.add_argument("--weights", choices=("stored", "float"), default="stored", help=WEIGHTS_HELP)

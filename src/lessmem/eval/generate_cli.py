@@ -20,7 +20,7 @@ import os
 import sys
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import check_model, peek_model
+from lessmem._cli_model import add_weights_option, check_model, peek_model
 from lessmem.base.units import fmt_bytes
 
 HELP = "generate text with a quantized KV cache"
@@ -31,6 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv", default="int4",
                    help="KV cache: a lessmem preset, 'dynamic', or a peer such as quanto-int4 (default int4)")
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf, directory or hub id")
+    add_weights_option(p)
     p.add_argument("--max-new-tokens", type=T.integer(1, T.MAX_TOKENS), default=128,
                    help="tokens to generate (default 128; prompt + these must fit the model's context)")
     p.add_argument("--sample", action="store_true", help="sample (temperature/top-p) instead of greedy")
@@ -229,7 +230,7 @@ def run(args) -> int:
         check(args)
     set_threads(args.threads)
     quiet_transformers()  # no loading bars or warnings around the streamed text
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, weights=args.weights)
     enc = _encode(tok, args)
     n_prompt = enc["input_ids"].shape[1]
     context = getattr(model.config, "max_position_embeddings", None)

@@ -149,29 +149,53 @@ def _invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan = _PLAN.get()
     if plan is None:
         return F.linear(x, module.weight, module.bias)
+    return _planned(x, plan, module.out_features, lambda x2: F.linear(x2, module.weight, module.bias),
+                    lambda x2: _tiled(x2, module.weight, module.bias))
+
+
+def _invariant_own(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A quantized linear (``GGUFLinear``, ``QuantLinear``): its fused kernel computes each row
+    on its own up to ``FUSED_MAX_ROWS`` rows, but above that it decodes the weight for BLAS,
+    whose rows depend on their neighbours. So the plan keeps the decode rows in tiles of
+    :data:`TILE` (the fused kernel) and each prompt chunk alone, as for ``nn.Linear``."""
+    plan = _PLAN.get()
+    forward = type(module).forward
+    if plan is None:
+        return forward(module, x)
+
+    def tiles(x2):
+        return torch.cat([forward(module, x2[i:i + TILE]) for i in range(0, x2.shape[0], TILE)])
+    return _planned(x, plan, module.out_features, lambda x2: forward(module, x2), tiles)
+
+
+def _planned(x: torch.Tensor, plan, out_features: int, alone, tiled) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     total, chunks, rows = plan
     if x2.shape[0] != total or not chunks:  # only decode rows (or the lm_head's kept rows)
-        out = _tiled(x2, module.weight, module.bias)
+        out = tiled(x2)
     else:
-        out = x2.new_empty(x2.shape[0], module.out_features)
+        out = x2.new_empty(x2.shape[0], out_features)
         if rows is not None:
-            out[rows] = _tiled(x2[rows], module.weight, module.bias)
+            out[rows] = tiled(x2[rows])
         for s, e in chunks:
-            out[s:e] = F.linear(x2[s:e], module.weight, module.bias)
-    return out.reshape(*shape[:-1], module.out_features)
+            out[s:e] = alone(x2[s:e])
+    return out.reshape(*shape[:-1], out_features)
 
 
 class RowPlan:
-    """Installs the batch-invariant ``forward`` on a model's ``nn.Linear`` modules
-    (exactly that class: lessmem's quantized linears have kernels of their own) and sets
+    """Installs the batch-invariant ``forward`` on a model's ``nn.Linear`` modules (exactly
+    that class) and on lessmem's quantized linears (their own kernels, in pieces) and sets
     the plan of each step (:meth:`step`); :meth:`remove` restores them."""
 
     def __init__(self, model: torch.nn.Module):
-        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        from ..weights.gguf_linear import GGUFLinear
+        from ..weights.qlinear import QuantLinear
+
+        own = (GGUFLinear, QuantLinear)
+        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear or isinstance(m, own)]
         for m in self.modules:
-            m.forward = _invariant_linear.__get__(m)
+            m.forward = (_invariant_linear if type(m) is torch.nn.Linear else _invariant_own).__get__(m)
 
     def step(self, segments: list[Segment]):
         total = segments[-1].end

@@ -18,7 +18,7 @@ import socket
 import sys
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import check_model
+from lessmem._cli_model import add_weights_option, check_model
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 PREEMPT = ("auto", "swap", "recompute")
@@ -32,6 +32,7 @@ FIELD_OPTIONS = {"kv_budget": "--kv-budget", "offload": "--offload", "max_runnin
 def add_arguments(p) -> None:
     p.add_argument("model", nargs="?", default="smollm2-135m", type=T.nonempty_text, metavar="MODEL",
                    help="model alias, .gguf, directory or hub id (default smollm2-135m)")
+    add_weights_option(p)
     p.add_argument("--kv", default="best-4", type=T.nonempty_text,
                    help="KV cache preset for every request (see lessmem presets; fp16 = unquantized; "
                         "default best-4)")
@@ -220,7 +221,7 @@ def run(args) -> int:
     try:
         set_threads(args.threads if args.threads is not None else serving_threads())
         quiet_transformers()
-        model, tok = load_model(args.model)
+        model, tok = load_model(args.model, weights=args.weights)
         engine = Engine(model, tok, args.config, model_name=args.model_name)
     except BaseException:
         sock.close()

@@ -96,6 +96,10 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
                         f"{type(filter_fn).__name__}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {progress!r}")
+    if getattr(model, "_lessmem_gguf", None) is not None:
+        raise ValueError(f"this model holds the GGUF blocks of {model._lessmem_gguf['file']} as they are "
+                         "stored (lessmem.load's default); quantizing needs float weights: load it "
+                         "with lessmem.load(..., weights='float')")
     if isinstance(config, GGUFConfig):
         return apply_gguf(model, config, filter_fn)
     if not isinstance(config, WeightConfig):

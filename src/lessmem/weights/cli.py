@@ -220,7 +220,7 @@ def run(args) -> int:
     if args.group_size is None and getattr(config, "group_size", None):
         print(f"lessmem quantize: --group-size not given: {config.group_size}, and 64 or 32 where "
               f"{config.group_size} does not divide a layer's inputs", file=sys.stderr)
-    model, tok = models.load(args.model)
+    model, tok = models.load(args.model, weights="float")  # quantizers read float weights
     rep = quantize_(model, config, calibration=args.calibration, tokenizer=tok, progress=not args.json)
     target, tmp = _fresh(args.out)
     try:

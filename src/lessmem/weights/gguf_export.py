@@ -99,3 +99,58 @@ def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     writer.close()
     return {"mix": mix, "tensors": dict(Counter(types.values())), "tensor_bytes": nbytes,
             "file_bytes": out.stat().st_size}
+
+
+def write_model_gguf(model, out, qtype: str = "q8_0") -> Path:
+    """Write a transformers Llama/Qwen2/Mistral ``model`` to ``out`` with every linear and the
+    embedding in the GGUF type ``qtype`` (norms and biases F32), in llama.cpp's tensor names
+    and q/k row order, with the hyper-parameters transformers reads back (``AutoConfig``).
+    No tokenizer is written: the file is for code that feeds token ids (tests, benchmarks).
+
+    Example:
+        >>> import tempfile, os
+        >>> from lessmem.models import tiny_random
+        >>> p = write_model_gguf(tiny_random("llama", hidden_size=64), os.path.join(tempfile.mkdtemp(), "t.gguf"))
+        >>> p.stat().st_size > 0
+        True
+    """
+    import gguf
+    import torch
+
+    from .gguf_load import gguf_tensor_name, permute_rows
+
+    cfg = model.config
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(cfg.model_type)
+    if arch is None:
+        raise ValueError(f"write_model_gguf writes llama, mistral and qwen2 models, got {cfg.model_type!r}")
+    t = gguf_type(qtype)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    out = Path(out)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(int(cfg.max_position_embeddings))
+    w.add_embedding_length(int(cfg.hidden_size))
+    w.add_block_count(int(cfg.num_hidden_layers))
+    w.add_feed_forward_length(int(cfg.intermediate_size))
+    w.add_head_count(int(heads))
+    w.add_head_count_kv(int(kv_heads))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    w.add_vocab_size(int(cfg.vocab_size))
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    for name, p in model.state_dict().items():
+        gname = gguf_tensor_name(name)
+        if gname is None or (tied and gname == "output.weight"):
+            continue
+        a = p.detach().to(torch.float32).cpu()
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            a = permute_rows(a, heads if "attn_q" in gname else kv_heads, inverse=False)
+        a = a.numpy()
+        if a.ndim == 2 and a.shape[1] % t.block_size == 0:
+            w.add_tensor(gname, quantize_gguf(a, t.name), raw_dtype=gguf.GGMLQuantizationType(t.ggml_id))
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

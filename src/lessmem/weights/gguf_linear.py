@@ -37,11 +37,16 @@ from ..kernels import gguf_linear_cpp as kernel
 from .qlinear import FUSED_MAX_ROWS, held_nbytes  # FUSED_MAX_ROWS: above it, decode once + BLAS
 from .rtn import check_size
 
+DECODE_WEIGHTS_MAX = 1 << 22  # prefill decodes at most this many weights (16 MB of floats) at once
+
 
 class GGUFLinear(nn.Module):
     """A linear layer with its weight in a GGUF block type; see the module doc."""
 
-    def __init__(self, in_features: int, out_features: int, gguf_type, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, gguf_type, bias: bool = True, *,
+                 qweight: torch.Tensor | None = None):
+        """``qweight``: raw rows to hold as they are (no copy: a view of a memory-mapped file
+        stays one, and two layers given one tensor share it); default zeros."""
         super().__init__()
         check_size("in_features", in_features)
         check_size("out_features", out_features)
@@ -51,7 +56,15 @@ class GGUFLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self._type = t
         row_bytes = in_features // t.block_size * t.type_size
-        self.register_buffer("qweight", torch.zeros(out_features, row_bytes, dtype=torch.uint8))
+        if qweight is None:
+            qweight = torch.zeros(out_features, row_bytes, dtype=torch.uint8)
+        elif (not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.uint8
+              or tuple(qweight.shape) != (out_features, row_bytes) or not qweight.is_contiguous()):
+            raise ValueError(f"qweight must be a contiguous uint8 tensor of shape {(out_features, row_bytes)} "
+                             f"({t.name.upper()} rows of {in_features} weights), got "
+                             f"{getattr(qweight, 'dtype', type(qweight).__name__)} "
+                             f"{tuple(getattr(qweight, 'shape', ()))}")
+        self.register_buffer("qweight", qweight)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     # ---- construction -------------------------------------------------------------
@@ -107,11 +120,25 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; this layer takes {self.in_features}")
-        if x.numel() > FUSED_MAX_ROWS * self.in_features:  # prefill: decode once, BLAS
-            y = F.linear(x.float(), self.dequantized_weight(), None if self.bias is None else self.bias.float())
-            return y.to(x.dtype)
+        if x.numel() > FUSED_MAX_ROWS * self.in_features:  # prefill: decode, BLAS
+            return self._decoded_matmul(x)
         # qweight's shape was checked against [out, in] when it was set; bias added in C++
         return kernel.gguf_linear_prechecked(x, self.qweight, self._type, self.out_features, self.bias)
+
+    def _decoded_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows: decode the weight and use BLAS, ``DECODE_ROWS_MAX`` output rows of it at a
+        time, so a large matrix (a 49k-row tied ``lm_head``) is never held whole as floats."""
+        xf = x.float()
+        bias = None if self.bias is None else self.bias.float()
+        step = max(1, DECODE_WEIGHTS_MAX // self.in_features)
+        if self.out_features <= step:
+            return F.linear(xf, self.dequantized_weight(), bias).to(x.dtype)
+        y = xf.new_empty(*x.shape[:-1], self.out_features)
+        for n0 in range(0, self.out_features, step):
+            n1 = min(n0 + step, self.out_features)
+            w = kernel.gguf_dequantize(self.qweight[n0:n1], self._type, n1 - n0, self.in_features)
+            y[..., n0:n1] = F.linear(xf, w, None if bias is None else bias[n0:n1])
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

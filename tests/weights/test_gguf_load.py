@@ -1,0 +1,144 @@
+"""Loading a GGUF file as stored: every linear a GGUFLinear over the mapped file, the
+embedding decoded per row, a tied lm_head over the same blocks; logits equal to the same
+model with the decoded weights; the built-in model without inflating it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lessmem
+from lessmem.formats.gguf import dequantize_gguf, quantize_gguf
+from lessmem.models import tiny_random
+from lessmem.serve import Engine, EngineConfig, SamplingParams
+from lessmem.weights.gguf_export import write_model_gguf
+from lessmem.weights.gguf_linear import GGUFLinear
+from lessmem.weights.gguf_load import GGUFEmbedding, hf_name, load_gguf_blocks, permute_rows
+
+
+def _decoded_twin(model, qtype):
+    """``model`` with each linear and the embedding replaced by its GGUF round trip (floats)."""
+    done = set()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)) and id(mod.weight) not in done:
+                done.add(id(mod.weight))  # a tied weight is encoded once
+                raw = quantize_gguf(mod.weight, qtype)
+                mod.weight.copy_(dequantize_gguf(raw, qtype, tuple(mod.weight.shape)))
+    return model
+
+
+def _tied(model):
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.parametrize("arch,qtype,tied", [("llama", "q8_0", False), ("llama", "q4_k", True),
+                                             ("qwen2", "q4_0", False), ("mistral", "q6_k", True)])
+def test_blocks_model_equals_its_decoded_twin(tmp_path, arch, qtype, tied):
+    torch.manual_seed(0)
+    m = tiny_random(arch, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    if tied:
+        m = _tied(m)
+    path = write_model_gguf(m, tmp_path / "m.gguf", qtype)
+    g = load_gguf_blocks(path, config=m.config)
+    twin = _decoded_twin(m, qtype)
+    assert not [n for n, x in g.named_modules() if type(x) in (nn.Linear, nn.Embedding)]
+    assert isinstance(g.model.embed_tokens, GGUFEmbedding)
+    ids = torch.randint(0, 272, (1, 40))
+    with torch.no_grad():
+        ref, got = twin(ids).logits, g(ids).logits  # 40 rows: decode the weight, BLAS
+        assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+        ref1, got1 = twin(ids[:, :5]).logits, g(ids[:, :5]).logits  # 5 rows: the fused kernel
+        assert torch.allclose(got1, ref1, atol=1e-4, rtol=1e-4), (got1 - ref1).abs().max()
+    if tied:  # the lm_head reads the embedding's own blocks: held once
+        assert g.lm_head.qweight.data_ptr() == g.model.embed_tokens.qweight.data_ptr()
+
+
+def test_linears_view_the_mapped_file(tmp_path):
+    m = tiny_random("qwen2", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    path = write_model_gguf(m, tmp_path / "m.gguf", "q8_0")
+    g = load_gguf_blocks(path, config=m.config)
+    rep = g._lessmem_gguf
+    blocks = [x for x in g.modules() if isinstance(x, GGUFLinear)]
+    base = {x.qweight.untyped_storage().data_ptr() for x in blocks}
+    assert len(base) == 1  # one mapping of the file, viewed by every layer (qwen2: no q/k reorder)
+    assert rep["bytes_mapped"] == sum(x.qweight.numel() for x in blocks) + g.model.embed_tokens.qweight.numel()
+    assert rep["inflated"] == [] and rep["types"]["model.layers.0.mlp.down_proj"] == "q8_0"
+    assert rep["bytes_mapped"] < path.stat().st_size
+
+
+def test_permute_rows_round_trips_and_names_map_back():
+    w = torch.arange(8 * 3).reshape(8, 3)
+    assert torch.equal(permute_rows(permute_rows(w, 2, inverse=False), 2), w)
+    assert not torch.equal(permute_rows(w, 2), w)
+    assert hf_name("blk.2.attn_output.weight") == "model.layers.2.self_attn.o_proj.weight"
+
+
+def test_bad_files_and_ids_are_refused_clearly(tmp_path):
+    import gguf
+
+    p = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(p), "gpt2")
+    w.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not loaded as GGUF blocks"):
+        load_gguf_blocks(p)
+    m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    path = write_model_gguf(m, tmp_path / "m.gguf", "q8_0")
+    bigger = type(m.config)(**{**m.config.to_dict(), "num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="no tensor for model.layers.2"):
+        load_gguf_blocks(path, config=bigger)
+    g = load_gguf_blocks(path, config=m.config)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 272\)"):
+        g(torch.tensor([[1, 272]]))
+    with pytest.raises(ValueError, match="weights='float'"):
+        lessmem.quantize_(g, lessmem.RTNConfig(bits=4))
+    with pytest.raises(ValueError, match="weights='blocks'; allowed: 'stored', 'float'"):
+        lessmem.load(str(path), weights="blocks")
+
+
+def test_prefill_decodes_a_large_weight_in_slices(monkeypatch):
+    import lessmem.weights.gguf_linear as gl
+
+    lin = nn.Linear(256, 96)
+    q = GGUFLinear.from_linear(lin, "q8_0")
+    x = torch.randn(40, 256)
+    whole = q(x)
+    monkeypatch.setattr(gl, "DECODE_WEIGHTS_MAX", 256 * 32)  # 3 slices of 32 output rows
+    assert torch.allclose(q(x), whole, atol=1e-6, rtol=0)
+
+
+def test_engine_on_blocks_is_batch_invariant(tmp_path):
+    torch.manual_seed(0)
+    m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    g = load_gguf_blocks(write_model_gguf(m, tmp_path / "m.gguf", "q4_k"), config=m.config)
+    gen = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 256, (150 + 7 * i,), generator=gen).tolist() for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def run(prompts):
+        with Engine(g, None, EngineConfig(kv="best-4", chunk_tokens=64, step_tokens=128)) as e:
+            reqs = [e.submit(p, params) for p in prompts]
+            while e.step():
+                pass
+            return [r.output_ids for r in reqs]
+    assert run(ps) == [run([p])[0] for p in ps]
+
+
+@pytest.mark.model
+def test_builtin_model_loads_without_inflating():
+    model, tok = lessmem.load("smollm2-135m")
+    rep = model._lessmem_gguf
+    held = rep["bytes_mapped"] + rep["bytes_copied"]
+    assert held < 100e6 and rep["inflated"] == []  # the file is 98 MB; floats would be 538 MB
+    assert rep["types"]["model.embed_tokens"] == "q8_0" and rep["types"]["model.layers.0.mlp.up_proj"] == "q4_1"
+    floats, _ = lessmem.load("smollm2-135m", weights="float")
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        a, b = model(ids).logits, floats(ids).logits
+        assert torch.allclose(a, b, atol=2e-4, rtol=0), (a - b).abs().max()
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, temperature=None, top_p=None, top_k=None)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
