@@ -192,3 +192,57 @@ def test_apply_gguf_tied_lm_head_stays_float():
 def test_gguf_weight_ref_shape():
     raw = _raw("q6_k", 3, 512, seed=5)
     assert gguf_weight_ref(raw, "q6_k", 3).shape == (3, 512)
+
+
+# ---- int8 activations (gguf_linear_q8, llama.cpp's quantized matmul) ----
+
+def _q8_reference(x, raw, t, n):
+    """float64: x rounded to int8 per block of 32 (dx = amax / 127), times the decoded weight."""
+    xd = x.double().reshape(x.shape[0], -1, 32)
+    d = xd.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(d > 0, torch.round(xd / torch.where(d > 0, d, 1)), 0) * d
+    return xq.reshape(x.shape) @ gguf_weight_ref(raw, t, n).double().T
+
+
+@pytest.mark.parametrize("t", kern.Q8_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_q8_activations_match_reference(backend, t, m):
+    n, k = 300, 512  # enough rows for two threads
+    raw = _raw(t, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7 + m))
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    y = kern.gguf_linear_q8(x, raw, t, n).double()
+    ref = _q8_reference(x, raw, t, n)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # the int8 rounding moves y a little against float activations, not more
+    yf = gguf_linear_ref(x, raw, t, n).double()
+    assert 0 < (y - yf).abs().max() <= 0.05 * yf.abs().max()
+
+
+@pytest.mark.parametrize("t", kern.Q8_TYPES)
+def test_q8_rows_independent_of_batch(t):
+    n, k = 200, 256
+    raw = _raw(t, n, k, seed=3)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+    together = kern.gguf_linear_q8(x, raw, t, n)
+    alone = torch.cat([kern.gguf_linear_q8(x[i:i + 1], raw, t, n) for i in range(9)])
+    assert torch.equal(together, alone)  # bit for bit: serve's batched rows equal alone
+
+
+def test_q8_bad_inputs_and_module_switch():
+    raw = _raw("q4_k", 4, 256, seed=0)
+    with pytest.raises(ValueError, match="q4_0, q4_1, q8_0"):
+        kern.gguf_linear_q8(torch.randn(1, 256), raw, "q4_k", 4)
+    with pytest.raises(ValueError, match="int8_activations"):
+        GGUFLinear(256, 4, "q4_0", int8_activations="yes")
+    lin = torch.nn.Linear(256, 8)
+    q = GGUFLinear.from_linear(lin, "q4_1")
+    x = torch.randn(2, 256)
+    exact = q(x)
+    from lessmem.weights.gguf_linear import set_int8_activations
+    assert set_int8_activations(torch.nn.Sequential(q), True) == 1
+    approx = q(x)
+    assert not torch.equal(exact, approx)
+    assert torch.allclose(approx.double(), (_q8_reference(x, q.qweight, "q4_1", 8) + q.bias.double()), atol=1e-5)
+    x20 = torch.randn(20, 256)  # more than FUSED_MAX_ROWS rows (prefill): float activations, BLAS
+    assert torch.equal(q(x20), torch.nn.functional.linear(x20, q.dequantized_weight(), q.bias))

@@ -13,7 +13,7 @@ from lessmem.formats.gguf import dequantize_gguf, quantize_gguf
 from lessmem.models import tiny_random
 from lessmem.serve import Engine, EngineConfig, SamplingParams
 from lessmem.weights.gguf_export import write_model_gguf
-from lessmem.weights.gguf_linear import GGUFLinear
+from lessmem.weights.gguf_linear import GGUFLinear, set_int8_activations
 from lessmem.weights.gguf_load import GGUFEmbedding, hf_name, load_gguf_blocks, permute_rows
 
 
@@ -43,7 +43,7 @@ def test_blocks_model_equals_its_decoded_twin(tmp_path, arch, qtype, tied):
     if tied:
         m = _tied(m)
     path = write_model_gguf(m, tmp_path / "m.gguf", qtype)
-    g = load_gguf_blocks(path, config=m.config)
+    g = load_gguf_blocks(path, config=m.config, int8_activations=False)
     twin = _decoded_twin(m, qtype)
     assert not [n for n, x in g.named_modules() if type(x) in (nn.Linear, nn.Embedding)]
     assert isinstance(g.model.embed_tokens, GGUFEmbedding)
@@ -53,6 +53,10 @@ def test_blocks_model_equals_its_decoded_twin(tmp_path, arch, qtype, tied):
         assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
         ref1, got1 = twin(ids[:, :5]).logits, g(ids[:, :5]).logits  # 5 rows: the fused kernel
         assert torch.allclose(got1, ref1, atol=1e-4, rtol=1e-4), (got1 - ref1).abs().max()
+        set_int8_activations(g, True)  # the default: decode rows multiply int8 activations
+        got8 = g(ids[:, :5]).logits
+        assert torch.equal(g(ids).logits, got)  # prefill rows keep float activations
+    assert 0 < (got8 - ref1).abs().max() <= 0.05 * ref1.abs().max()
     if tied:  # the lm_head reads the embedding's own blocks: held once
         assert g.lm_head.qweight.data_ptr() == g.model.embed_tokens.qweight.data_ptr()
 
@@ -138,7 +142,11 @@ def test_builtin_model_loads_without_inflating():
     floats, _ = lessmem.load("smollm2-135m", weights="float")
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():
-        a, b = model(ids).logits, floats(ids).logits
+        a8, b = model(ids).logits, floats(ids).logits  # 6 rows: the fused kernel, int8 activations
+        assert a8[0, -1].argmax() == b[0, -1].argmax()
+        set_int8_activations(model, False)
+        a = model(ids).logits
         assert torch.allclose(a, b, atol=2e-4, rtol=0), (a - b).abs().max()
+        set_int8_activations(model, True)
         out = model.generate(ids, max_new_tokens=8, do_sample=False, temperature=None, top_p=None, top_k=None)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])

@@ -58,7 +58,7 @@ from ._build import load_cpp_file
 # The C++ source: csrc/gguf_linear.cpp (shipped as package data).
 _SOURCE_FILE = "gguf_linear.cpp"
 
-_FUNCS = ["gguf_linear", "gguf_dequantize"]
+_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize"]
 _FLAGS = ["-ffp-contract=off"]  # decoders must not fuse d*q + m into one rounding
 
 
@@ -119,6 +119,43 @@ def gguf_linear_prechecked(x: torch.Tensor, raw: torch.Tensor, t, out_features: 
     if m is None or not (x.is_cpu and raw.is_cpu):  # the C++ kernel reads CPU memory only
         return fallback.gguf_linear_torch(x, raw, t, out_features, bias)
     return m.gguf_linear(x, raw, t.ggml_id, out_features, _NO_BIAS if bias is None else bias.float())
+
+
+Q8_TYPES = ("q4_0", "q4_1", "q8_0")  # the weight types gguf_linear_q8 takes
+
+
+def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``gguf_linear_q8`` sees it: each block of 32 along the last dimension rounded
+    to ``dx · rint(x / dx)`` with ``dx = amax / 127`` (llama.cpp's q8_1 activations), float32."""
+    xf = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = xf.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xf * inv) * d).reshape(x.shape)
+
+
+def gguf_linear_q8(x: torch.Tensor, raw: torch.Tensor, qtype, out_features: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``gguf_linear`` with int8 activations, as llama.cpp computes a quantized matmul: x is
+    quantized per block of 32 (``quantize_activations_q8``) and each block's dot product with
+    the weight codes is an integer sum (AVX-512 VNNI / AVX2), scaled once per block. Q4_0,
+    Q4_1 and Q8_0 weights (``Q8_TYPES``); equals ``gguf_linear(quantize_activations_q8(x), …)``
+    to float32 rounding. Each row's result is independent of the rows batched with it."""
+    t = _check(raw, qtype, out_features, x.shape[-1])
+    if t.name not in Q8_TYPES:
+        raise ValueError(f"gguf_linear_q8 takes {', '.join(Q8_TYPES)} weights, got {t.name}")
+    if bias is not None and bias.numel() != int(out_features):
+        raise ValueError(f"bias has {bias.numel()} values; out_features={out_features}")
+    return gguf_linear_q8_prechecked(x, raw, t, int(out_features), bias)
+
+
+def gguf_linear_q8_prechecked(x: torch.Tensor, raw: torch.Tensor, t, out_features: int,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``gguf_linear_q8`` without the argument checks (``GGUFLinear`` checked them once)."""
+    m = _mod()
+    if m is None or not (x.is_cpu and raw.is_cpu):
+        y = fallback.gguf_linear_torch(quantize_activations_q8(x), raw, t, out_features, bias)
+        return y.to(x.dtype)
+    return m.gguf_linear_q8(x, raw, t.ggml_id, out_features, _NO_BIAS if bias is None else bias.float())
 
 
 def gguf_dequantize(raw: torch.Tensor, qtype, out_features: int, in_features: int) -> torch.Tensor:

@@ -135,10 +135,12 @@ def permute_rows(rows: torch.Tensor, n_head: int, inverse: bool = True) -> torch
     return rows.reshape(n_head, a, b, -1).transpose(1, 2).reshape(n, -1).contiguous()
 
 
-def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None):
+def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8_activations: bool = True):
     """The causal LM of the ``.gguf`` file at ``path`` with its weights held as stored (module doc).
 
     ``config``: the transformers config (default: read from the file by ``AutoConfig``).
+    ``int8_activations``: decode steps multiply Q4_0/Q4_1/Q8_0 blocks with int8-quantized
+    activations, as llama.cpp does (``GGUFLinear``); ``False`` keeps float32 activations.
     Raises ``ValueError`` for an architecture outside ``ARCHS`` or a file whose tensors do
     not fill the model, before anything large is read.
     """
@@ -152,6 +154,8 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None):
                          f"{', '.join(ARCHS)}); load it with weights='float'")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} is not allowed; use torch.float32, bfloat16 or float16")
+    if not isinstance(int8_activations, bool):
+        raise ValueError(f"int8_activations={int8_activations!r} must be True or False")
     if config is None:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     with torch.device("meta"):
@@ -197,7 +201,7 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None):
         else:
             old = model.get_submodule(module_name)
             set_module(model, module_name, GGUFLinear(shape[1], shape[0], qtype, old.bias is not None,
-                                                      qweight=rows))
+                                                      qweight=rows, int8_activations=int8_activations))
     for name, raw, info, shape in floats:  # norms, biases, float weights
         value = _float_tensor(raw, info, shape, report, name)
         report["bytes_copied"] += value.numel() * value.element_size()
@@ -205,7 +209,8 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None):
     if "output.weight" not in tensors:  # tied: the lm_head reads the embedding's own tensor
         if embed is not None:
             set_module(model, "lm_head", GGUFLinear(embed.embedding_dim, embed.num_embeddings,
-                                                    embed.gguf_type, False, qweight=embed.qweight))
+                                                    embed.gguf_type, False, qweight=embed.qweight,
+                                                    int8_activations=int8_activations))
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
     _real_rotary(model)

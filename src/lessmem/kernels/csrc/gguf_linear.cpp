@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <c10/util/Half.h>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <algorithm>
 #include <atomic>
@@ -397,6 +398,109 @@ static void fused_impl(const float* x, const uint8_t* w, float* y, int64_t M, in
   });
 }
 
+// ---------------------------------------------------------------- int8 activations
+// gguf_linear_q8: for Q4_0, Q4_1 and Q8_0 weights, x is quantized per block of 32 as
+// llama.cpp's q8_1 does (dx = amax / 127, xq = rint(x / dx), sx = dx * sum(xq)) and each
+// block's dot product is an integer sum of u8 x s8 products (VNNI dpbusd, AVX2
+// maddubs + madd), then
+//   Q4_0  w = dw*(q - 8)  ->  dw*dx*sum(q*xq) - 8*dw*sx
+//   Q4_1  w = dw*q + mw   ->  dw*dx*sum(q*xq) + mw*sx
+//   Q8_0  w = dw*q        ->  dw*dx*sum(|q| * sign(q)*xq)
+// Each (weight row, x row) pair runs the same operations in the same order whatever M is,
+// so a row's result does not depend on the rows batched with it.
+static void quantize_x_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float dd = amax / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int v = (int)std::nearbyint(xb[j] * id);
+      q[i * 32 + j] = (int8_t)v;
+      sum += v;
+    }
+    d[i] = dd;
+    s[i] = dd * (float)sum;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 int32 lanes, each a sum of 4 u8*s8
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+static inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+#endif
+
+template <int T>
+static inline float row_dot_q8(const uint8_t* row, const int8_t* xq, const float* xd, const float* xs, int64_t nb) {
+  constexpr int TS = Traits<T>::TS;
+  float accm = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m128i m4 = _mm_set1_epi8(15);
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    const uint8_t* b = row + ib * TS;
+    __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + ib * 32));
+    __m256i w;
+    if (T == Q8_0) {
+      w = _mm256_loadu_si256((const __m256i*)(b + 2));
+      xv = _mm256_sign_epi8(xv, w);
+      w = _mm256_sign_epi8(w, w);
+    } else {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(b + (T == Q4_1 ? 4 : 2)));
+      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    }
+    const float dw = h2f(b);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w, xv)), _mm256_set1_ps(dw * xd[ib]), acc);
+    if (T == Q4_1) accm += h2f(b + 2) * xs[ib];
+    if (T == Q4_0) accm -= 8.f * dw * xs[ib];
+  }
+  return hsum8(acc) + accm;
+#else
+  float acc = 0.f;
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    const uint8_t* b = row + ib * TS;
+    const int8_t* xb = xq + ib * 32;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int w = T == Q8_0 ? (int)(int8_t)b[2 + j]
+                              : (int)((j < 16 ? b[(T == Q4_1 ? 4 : 2) + j] : b[(T == Q4_1 ? 4 : 2) + j - 16] >> 4) & 15);
+      sum += w * (int)xb[j];
+    }
+    const float dw = h2f(b);
+    acc += (float)sum * (dw * xd[ib]);
+    if (T == Q4_1) accm += h2f(b + 2) * xs[ib];
+    if (T == Q4_0) accm -= 8.f * dw * xs[ib];
+  }
+  return acc + accm;
+#endif
+}
+
+template <int T>
+static void fused_q8_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int TS = Traits<T>::TS;
+  const int64_t nb = K / 32, rb = nb * TS;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  quantize_x_q8(x, M, K, xq.data(), xd.data(), xs.data());
+  parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        y[m * N + n] = row_dot_q8<T>(w + n * rb, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, nb);
+  });
+}
+
 template <int T>
 static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
@@ -430,6 +534,27 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_
   shape.back() = N;
   auto y = torch::empty(shape, x2.options());
   DISPATCH(fused_impl, x2.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K)
+  if (bias.numel() > 0) y.add_(bias);
+  return dtype == torch::kFloat32 ? y : y.to(dtype);
+}
+
+bool gguf_q8_supported(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+
+torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N, torch::Tensor bias) {
+  // as gguf_linear, with x quantized to int8 per block of 32 (Q4_0, Q4_1, Q8_0 weights only)
+  TORCH_CHECK(gguf_q8_supported(type), "gguf_linear_q8: ggml type ", type, " is not Q4_0, Q4_1 or Q8_0");
+  const auto dtype = x.scalar_type();
+  auto shape = x.sizes().vec();
+  const int64_t K = shape.back(), M = K > 0 ? x.numel() / K : 0;
+  auto x2 = x.to(torch::kFloat32).contiguous();
+  w = w.contiguous();
+  shape.back() = N;
+  auto y = torch::empty(shape, x2.options());
+  switch (type) {
+    case Q4_0: fused_q8_impl<Q4_0>(x2.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K); break;
+    case Q4_1: fused_q8_impl<Q4_1>(x2.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K); break;
+    default: fused_q8_impl<Q8_0>(x2.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+  }
   if (bias.numel() > 0) y.add_(bias);
   return dtype == torch::kFloat32 ? y : y.to(dtype);
 }
