@@ -386,6 +386,8 @@ CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_serve.py": check_serve,
 }
 RECORDED = {  # recorded full-run result -> its benchmark
+    "e2e.json": "bench_e2e.py",
+    "e2e_16k.json": "bench_e2e.py",
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     "bench_linear.json": "bench_linear.py",
