@@ -24,13 +24,32 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import QuantKV, fused_attention, quantized_attention
+from ..kernels.attention import QuantKV, QuantSide, fused_attention, quantized_attention
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
     return mask.float()
+
+
+def _is_plain_causal(mask: torch.Tensor, Tq: int, L: int) -> bool:
+    """True when a bool mask [B, 1, Tq, L] only says "causal, bottom-right aligned": every
+    earlier position visible, causal within the last Tq (what transformers builds for a
+    chunk after a history without padding). Such a mask is dropped, so no [Tq, L] mask
+    is expanded or copied. Remembered on the tensor (one mask serves every layer)."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2] != Tq or mask.shape[-1] != L:
+        return False
+    memo = getattr(mask, "_lessmem_plain_causal", None)
+    if memo is None:
+        tail = mask[..., L - Tq:]
+        causal = torch.ones(Tq, Tq, dtype=torch.bool, device=mask.device).tril()
+        memo = bool(mask[..., :L - Tq].all()) and bool((tail == causal).all())
+        try:
+            mask._lessmem_plain_causal = memo
+        except (AttributeError, RuntimeError):
+            pass
+    return memo
 
 
 def _fp_attention(q, k, v, mask, scaling):
@@ -49,6 +68,16 @@ def _fp_attention(q, k, v, mask, scaling):
     return torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v, lse
 
 
+def _attention_lse(q, k, v, scaling):
+    """(out float32, lse) of q [B, H, T, D] over k, v [B, H, N, D] of as many heads, no mask."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scaling)
+        return out.float(), lse
+    s = (q @ k.transpose(-1, -2)) * scaling
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
 def _sdpa_gqa(q, k, v, mask, scaling):
     """SDPA over full-precision k, v with fewer KV heads than query heads, read in place
     (``enable_gqa``, torch 2.5+; older torch expands them)."""
@@ -60,6 +89,7 @@ def _sdpa_gqa(q, k, v, mask, scaling):
 
 FUSED_MAX_QUERIES = 32  # up to this many query tokens, one C++ call does everything
 PREFILL_DEQUANT_QUERIES = 64  # from this many (unmasked), dequantize the history and use flash attention
+PREFILL_SLICE_TOKENS = 2048  # ... a slice of this many history tokens at a time
 
 
 def _rot_matrix(rot, device) -> torch.Tensor:
@@ -143,18 +173,62 @@ class LayerView:
             out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
         return out_f + out_h
 
+    def _history_slices(self):
+        """The history as ``(keys, values)`` :class:`QuantSide` pieces of at most
+        ``PREFILL_SLICE_TOKENS`` tokens, in order, read in place (a SegmentedKV's parts are
+        walked, not joined)."""
+        h = self.history
+        if hasattr(h, "k_parts"):
+            sides = [(QuantSide(kp[0], kp[1], kp[2], h.k.layout), QuantSide(vp[0], vp[1], vp[2], h.v.layout))
+                     for kp, vp in zip(h.k_parts, h.v_parts, strict=True)]
+        else:
+            sides = [(h.keys, h.values)]
+        for k, v in sides:
+            n = k.n_tokens
+            step = max(k.tg, v.tg)
+            step = max(step, PREFILL_SLICE_TOKENS // step * step)
+            if n <= step:
+                yield k, v
+                continue
+            for t0 in range(0, n, step):
+                t1 = min(t0 + step, n)
+                yield k.slice_tokens(t0, t1), v.slice_tokens(t0, t1)
+
     def _attend_dequantized(self, qf, scaling):
         """A long chunk of queries (prefill): the work is the Tq × L scores, not reading the
-        history, so the history is dequantized once (this layer's, for this call only) and
-        one flash-attention call covers every position, causal within the current chunk."""
-        k, v = self.materialize()
-        k, v = k.float(), v.float()
-        Tq, L = qf.shape[2], k.shape[2]
-        cols = torch.arange(L, device=qf.device)
-        rows = torch.arange(Tq, device=qf.device) + (L - Tq)
-        m = _additive(cols[None, :] <= rows[:, None])[None, None]
-        out, _ = _fp_attention(qf, k, v, m, scaling)
-        return out
+        history, so the history is dequantized a slice at a time (``PREFILL_SLICE_TOKENS``)
+        and each slice goes to flash attention with every query row (no mask: the whole
+        history precedes the chunk; the query heads sharing a KV head are stacked as rows, so
+        the KV heads are never repeated). The full-precision parts (sinks, window, current
+        chunk, causal within it) are one more call; the pieces merge by their log-sum-exp.
+        Transient memory is one slice's float keys and values, whatever the context length."""
+        B, Hq, Tq, D = qf.shape
+        Hkv = self.history.n_kv_heads
+        rep = Hq // Hkv
+        kf, vf = self._fp_parts(torch.float32)
+        n = kf.shape[2]
+        cols = torch.arange(n, device=qf.device)
+        rows = torch.arange(Tq, device=qf.device) + (n - Tq)
+        m_fp = _additive(cols[None, :] <= rows[:, None])[None, None]
+        out, lse = _fp_attention(qf, kf, vf, m_fp, scaling)
+        out = out.float()
+        qh = qf @ _rot_matrix(self.rot_k, qf.device) if self.rot_k is not None else qf
+        qg = qh.reshape(B, Hkv, rep * Tq, D)  # query heads of one KV head as rows
+        out_h = lse_h = None
+        for ks, vs in self._history_slices():
+            o, l = _attention_lse(qg, ks.dequantize(), vs.dequantize(), scaling)
+            if out_h is None:
+                out_h, lse_h = o, l
+            else:
+                lse_n = torch.logaddexp(lse_h, l)
+                out_h = out_h * torch.exp(lse_h - lse_n).unsqueeze(-1) + o * torch.exp(l - lse_n).unsqueeze(-1)
+                lse_h = lse_n
+        out_h = out_h.reshape(B, Hq, Tq, D)
+        lse_h = lse_h.reshape(B, Hq, Tq)
+        if self.rot_v is not None:
+            out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
+        lse_n = torch.logaddexp(lse_h, lse)
+        return out_h * torch.exp(lse_h - lse_n).unsqueeze(-1) + out * torch.exp(lse - lse_n).unsqueeze(-1)
 
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] (q's dtype) for queries q [B, Hq, Tq, D].
@@ -167,6 +241,8 @@ class LayerView:
         kf, vf = self._fp_parts(torch.float32)
         s, nh = self.n_sinks, self.n_history
         L = nh + kf.shape[2]
+        if mask is not None and nh and _is_plain_causal(mask, Tq, L):
+            mask = None
         if nh and Tq <= FUSED_MAX_QUERIES:
             out = self._attend_one_call(qf, kf, vf, mask, scaling, L)
             if out is not None:
