@@ -1,20 +1,22 @@
 """Decode speed with and without a competing CPU-bound process: do the threads degrade gracefully?
 
 On a machine where other processes compete for the cores, OpenMP threads that spin while
-they wait (libgomp's default before ``OMP_WAIT_POLICY`` is set) burn the cores that the
-working threads need, and decode can collapse to a fraction of its speed. lessmem sets
-``OMP_WAIT_POLICY=PASSIVE`` when it is imported before torch (``lessmem/__init__.py``);
-this benchmark measures what that buys.
+they wait (libgomp's default) burn the cores that the working threads need; threads that
+sleep at once (``OMP_WAIT_POLICY=PASSIVE``) must be woken for every parallel region, which
+costs a decode step of hundreds of small kernels dearly even on a quiet machine. lessmem
+sets a short spin (``GOMP_SPINCOUNT``/``KMP_BLOCKTIME``, ``lessmem/__init__.py``) when it is
+imported before torch; this benchmark measures it against both.
 
 Each variant runs in its own worker process, since the OpenMP runtime reads its
 environment once, when torch is imported:
 
-- ``passive``: lessmem imported first (``OMP_WAIT_POLICY=PASSIVE``), torch's default threads;
-- ``spin``: torch imported first with ``OMP_WAIT_POLICY`` unset (libgomp's default, what a
-  script that imports torch before lessmem gets), the same threads;
-- ``passive-1t`` (full run only): PASSIVE and ``torch.set_num_threads(1)``;
-- ``passive-auto`` (full run only): PASSIVE, and before each run no more threads than
-  ``lessmem.base.cpu.free_cores()`` finds idle (what ``lessmem eval``/``generate`` do).
+- ``lessmem``: lessmem imported first, its own setting, torch's default threads;
+- ``passive``: lessmem imported first with ``OMP_WAIT_POLICY=PASSIVE``, the same threads;
+- ``spin``: torch imported first with nothing set (libgomp's default, what a script that
+  imports torch before lessmem gets), the same threads;
+- ``lessmem-1t`` (full run only): lessmem's setting and ``torch.set_num_threads(1)``;
+- ``lessmem-auto`` (full run only): lessmem's setting, and before each run no more threads
+  than ``lessmem.base.cpu.free_cores()`` finds idle (what ``lessmem eval``/``generate`` do).
 
 A worker loads the model, prefills ``--context`` tokens into a lessmem ``int4`` cache
 with the fused attention on (so torch's and lessmem's C++ kernels both run), and times
@@ -41,15 +43,18 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = {  # name: (OMP_WAIT_POLICY or None for unset, threads or None for torch's choice)
+VARIANTS = {  # name: (OMP_WAIT_POLICY, or "lessmem" for lessmem's own setting, or None for
+    #                 libgomp's default; threads or None for torch's choice)
+    "lessmem": ("lessmem", None),
     "passive": ("PASSIVE", None),
     "spin": (None, None),
-    "passive-1t": ("PASSIVE", 1),
+    "lessmem-1t": ("lessmem", 1),
     # what `lessmem eval/generate` do without --threads: no more threads than idle cores,
     # sampled (lessmem.base.cpu.free_cores) when a run starts
-    "passive-auto": ("PASSIVE", "auto"),
+    "lessmem-auto": ("lessmem", "auto"),
 }
-QUICK_VARIANTS = ("passive", "spin")
+QUICK_VARIANTS = ("lessmem", "passive", "spin")
+_OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -58,17 +63,18 @@ QUICK_VARIANTS = ("passive", "spin")
 def _worker(args) -> None:
     """One variant: import in the order the variant needs, then serve 'go' requests."""
     policy, threads = VARIANTS[args.worker]
-    at_start = None  # OMP_WAIT_POLICY when torch (and with it the OpenMP runtime) started
+    for name in _OMP_VARS:
+        os.environ.pop(name, None)
     if policy is None:
-        os.environ.pop("OMP_WAIT_POLICY", None)
         import torch  # first: the OpenMP runtime starts with its own default (spin a while)
 
-        at_start = os.environ.get("OMP_WAIT_POLICY")
-        import lessmem  # noqa: F401  (its setdefault comes too late to matter)
+        import lessmem  # noqa: F401  (its settings come too late to matter)
+        at_start = "unset"
     else:
-        os.environ["OMP_WAIT_POLICY"] = policy
+        if policy != "lessmem":
+            os.environ["OMP_WAIT_POLICY"] = policy
         importlib.import_module("lessmem")  # before torch, as the `lessmem` command does
-        at_start = os.environ.get("OMP_WAIT_POLICY")
+        at_start = " ".join(f"{n}={os.environ[n]}" for n in _OMP_VARS if n in os.environ)
         import torch
     default_threads = torch.get_num_threads()
     if isinstance(threads, int):
@@ -76,7 +82,7 @@ def _worker(args) -> None:
     model, ids = _model_and_prompt(args)
     decode = _decoder(model, ids, args.tokens)
     decode()  # warm-up: kernels built/loaded, first allocations
-    info = {"threads": torch.get_num_threads(), "omp_wait_policy": at_start,
+    info = {"threads": torch.get_num_threads(), "omp_settings": at_start,
             "openmp_runtimes": _openmp_runtimes()}
     print(json.dumps({"ready": info}), flush=True)
     for line in sys.stdin:
@@ -150,7 +156,7 @@ class _Worker:
                "--context", str(args.context), "--tokens", str(args.tokens)]
         if args.quick:
             cmd.append("--quick")
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        env = {k: v for k, v in os.environ.items() if k not in (*_OMP_VARS, "OMP_NUM_THREADS")}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = self._read()["ready"]
 
@@ -231,17 +237,19 @@ def main() -> None:
                context=args.context, tokens=args.tokens, rounds=args.rounds,
                competitor="one Python busy loop")
     res = measure(args)
-    print(f"{'variant':<12} {'policy':<8} {'threads':>7} {'alone tok/s':>12} {'contended':>10} {'ratio':>6}")
+    print(f"{'variant':<12} {'OpenMP settings':<36} {'threads':>7} {'alone tok/s':>12} {'contended':>10} {'ratio':>6}")
     for n, r in res.items():
         threads = "/".join(str(t) for t in sorted({x.get("threads", r["threads"]) for x in
                                                    r["runs"]["alone"] + r["runs"]["contended"]}))
-        print(f"{n:<12} {str(r['omp_wait_policy'] or 'unset'):<8} {threads:>7} "
+        print(f"{n:<12} {r['omp_settings']:<36} {threads:>7} "
               f"{r['alone_tok_s']:>12.1f} {r['contended_tok_s']:>10.1f} {r['contended_vs_alone']:>6.2f}")
-    summary = {"contended_vs_alone": res["passive"]["contended_vs_alone"],
-               "auto_threads_contended_vs_alone": (res["passive-auto"]["contended_vs_alone"]
-                                                   if "passive-auto" in res else None),
+    summary = {"contended_vs_alone": res["lessmem"]["contended_vs_alone"],
+               "auto_threads_contended_vs_alone": (res["lessmem-auto"]["contended_vs_alone"]
+                                                   if "lessmem-auto" in res else None),
+               "lessmem_vs_passive_alone": res["lessmem"]["alone_tok_s"] / res["passive"]["alone_tok_s"],
+               "lessmem_vs_spin_contended": res["lessmem"]["contended_tok_s"] / res["spin"]["contended_tok_s"],
                "passive_vs_spin_contended": res["passive"]["contended_tok_s"] / res["spin"]["contended_tok_s"],
-               "openmp_runtimes": res["passive"]["openmp_runtimes"]}
+               "openmp_runtimes": res["lessmem"]["openmp_runtimes"]}
     print("summary: " + json.dumps(summary))
     write_result("bench_contention", {"header": h, "variants": res, "summary": summary},
                  args.out, args.quick)

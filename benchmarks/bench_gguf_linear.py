@@ -58,7 +58,7 @@ def main() -> int:
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
     all_threads = torch.get_num_threads()
     h = header(shapes=shapes, batch=1, types=types, cpp_kernel=gguf_linear_cpp.available(),
-               load_avg_start=os.getloadavg(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+               load_avg_start=os.getloadavg(), omp_settings={n: os.environ.get(n) for n in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
     rows = []
     for k, n in shapes:
         torch.manual_seed(0)

@@ -300,7 +300,8 @@ class ServerTarget:
         import lessmem
 
         if lessmem.OMP_POLICY_FROM_LESSMEM:  # as from a shell: the server picks its own policy
-            env.pop("OMP_WAIT_POLICY", None)
+            for name in lessmem.SPIN_SETTINGS:
+                env.pop(name, None)
         if threads:
             self.cmd += ["--threads", str(threads)]
             env["OMP_NUM_THREADS"] = str(threads)

@@ -240,7 +240,7 @@ def check_kv_quality(data: dict, fresh: bool) -> None:
 def check_contention(data: dict, fresh: bool) -> None:
     check_header(data)
     variants = need(data, "variants", dict, "result")
-    assert {"passive", "spin"} <= set(variants), sorted(variants)
+    assert {"lessmem", "passive", "spin"} <= set(variants), sorted(variants)
     for name, v in variants.items():
         w = f"variants[{name!r}]"
         assert need(v, "threads", int, w) > 0
@@ -249,6 +249,8 @@ def check_contention(data: dict, fresh: bool) -> None:
     s = need(data, "summary", dict, "result")
     positive(s, "contended_vs_alone", "summary")
     positive(s, "passive_vs_spin_contended", "summary")
+    positive(s, "lessmem_vs_passive_alone", "summary")
+    positive(s, "lessmem_vs_spin_contended", "summary")
     assert need(s, "openmp_runtimes", int, "summary") >= 1
 
 

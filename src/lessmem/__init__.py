@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads that wait for work sleep instead of spinning. The OpenMP runtime reads
-# this once, when torch is first imported; by default its idle threads spin for a while,
-# taking cores that other processes' work needs (beside one busy process, PASSIVE decoded
-# 1.34x as fast as spinning: benchmarks/results/bench_contention.json; what keeps decode
-# from collapsing there is fewer threads, lessmem.base.cpu). Effective when lessmem is
-# imported before torch (the `lessmem` command
-# always is); otherwise set OMP_WAIT_POLICY=PASSIVE in the environment. An explicit
-# setting (e.g. ACTIVE on a dedicated machine) is kept.
-OMP_POLICY_FROM_LESSMEM = "OMP_WAIT_POLICY" not in os.environ  # (`lessmem serve` takes it back)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that wait for work spin for a short while (about half a millisecond),
+# then sleep. The OpenMP runtime reads this once, when torch is first imported. Its
+# default spins much longer, taking cores that other processes' work needs; sleeping at
+# once (OMP_WAIT_POLICY=PASSIVE) makes every parallel region wake a sleeping thread,
+# ~0.2 ms each on this project's machine, and a decode step runs hundreds of them
+# (benchmarks/results/bench_contention.json measures the three; what keeps decode from
+# collapsing beside busy processes is fewer threads, lessmem.base.cpu). Effective when
+# lessmem is imported before torch (the `lessmem` command always is). An explicit
+# OMP_WAIT_POLICY, GOMP_SPINCOUNT (libgomp) or KMP_BLOCKTIME (LLVM/Intel OpenMP) is kept.
+SPIN_SETTINGS = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
+OMP_POLICY_FROM_LESSMEM = not any(v in os.environ for v in ("OMP_WAIT_POLICY", *SPIN_SETTINGS))
+if OMP_POLICY_FROM_LESSMEM:  # (`lessmem serve` takes it back)
+    os.environ.update(SPIN_SETTINGS)
 
 from lessmem.base.lazy import lazy_exports  # noqa: E402
 

@@ -65,12 +65,13 @@ SPIN_COMMANDS = ("serve",)
 
 
 def _spin_between_ops() -> None:
-    """Give the OpenMP runtime back its default wait policy (spin a little, then sleep)
-    when it was lessmem's import that asked for PASSIVE, before torch starts: a server
+    """Give the OpenMP runtime back its default wait policy (spin a while, then sleep)
+    when it was lessmem's import that set a short spin, before torch starts: a server
     is the one busy process of its machine, and its compute thread runs thousands of small
     ops a step, each of which would otherwise wake sleeping threads."""
     if lessmem.OMP_POLICY_FROM_LESSMEM and "torch" not in sys.modules:
-        os.environ.pop("OMP_WAIT_POLICY", None)
+        for name in lessmem.SPIN_SETTINGS:
+            os.environ.pop(name, None)
 
 
 def main(argv: list[str] | None = None) -> int:

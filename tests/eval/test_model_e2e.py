@@ -29,18 +29,20 @@ def _run(code_or_args, env_extra=None, module=False, **kw):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "TRANSFORMERS_VERBOSITY",
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "TRANSFORMERS_VERBOSITY",
                                                              "HF_HUB_DISABLE_PROGRESS_BARS")}
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "lessmem", *code_or_args] if module else [sys.executable, "-c", code_or_args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kw)
 
 
-def test_openmp_threads_sleep_when_they_wait_unless_told_otherwise():
+def test_openmp_threads_spin_briefly_unless_told_otherwise():
     # set before torch starts the OpenMP runtime; an explicit setting is kept
-    code = "import lessmem, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    assert _run(code).stdout.strip() == "PASSIVE"
-    assert _run(code, {"OMP_WAIT_POLICY": "ACTIVE"}).stdout.strip() == "ACTIVE"
+    code = ("import lessmem, os, torch; print(*(os.environ.get(n, '-') for n in "
+            "('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT', 'KMP_BLOCKTIME')))")
+    assert _run(code).stdout.split() == ["-", "30000", "1"]
+    assert _run(code, {"OMP_WAIT_POLICY": "ACTIVE"}).stdout.split() == ["ACTIVE", "-", "-"]
+    assert _run(code, {"GOMP_SPINCOUNT": "0"}).stdout.split() == ["-", "0", "-"]
 
 
 def test_eval_reports_each_stage_on_a_piped_stderr_and_keeps_transformers_quiet(tmp_path):
