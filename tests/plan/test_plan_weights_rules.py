@@ -74,10 +74,10 @@ def test_output_and_embeddings(ftype):
 
 
 def test_row_length_fallbacks():
-    # K-quants need rows of 256: Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, Q2_K/Q3_K->IQ4_NL, then F16
+    # K-quants need rows of 256: Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, Q2_K/Q3_K->Q4_0, then F16
     assert t("Q4_K_M", Q, cols=576) == "q5_0" and t("Q4_K_M", V, 0, cols=576) == "q8_0"
     assert t("Q5_K_S", Q, cols=576) == "q5_1" and t("Q6_K", Q, cols=576) == "q8_0"
-    assert t("Q3_K_M", Q, cols=576) == "iq4_nl" and t("Q2_K", Q, cols=576) == "iq4_nl"
+    assert t("Q3_K_M", Q, cols=576) == "q4_0" and t("Q2_K", Q, cols=576) == "q4_0"
     assert t("Q4_0", Q, cols=48) == "f16" and t("Q4_K_M", Q, cols=48) == "f16"
     # the output's Q8_0 comes from the base block not dividing the row
     assert t("Q4_K_M", "output.weight", cols=576) == "q8_0" and t("Q4_0", "output.weight", cols=576) == "q8_0"

@@ -19,7 +19,9 @@ choices), no ``--pure``/``--output-tensor-type`` overrides:
 - ``attn_output``: Q2_K→Q3_K, Q3_K_M→Q4_K, Q3_K_L→Q5_K (with 8 experts: Q5_K for
   Q2_K, Q3_K_S/M, Q4_K_S/M); fused ``attn_qkv``: Q3_K_M/L→Q4_K, Q4_K_M→Q5_K, Q5_K_M→Q6_K;
 - a row length (``n_cols``, ggml's ``ne[0]``) that is not a multiple of the type's block
-  falls back: Q2_K/Q3_K/IQ4_XS→IQ4_NL, Q4_K→Q5_0, Q5_K→Q5_1, Q6_K→Q8_0, then F16.
+  falls back (``tensor_type_fallback``): Q2_K/Q3_K→Q4_0, IQ4_XS→IQ4_NL, Q4_K→Q5_0,
+  Q5_K→Q5_1, Q6_K→Q8_0, then F16 (checked tensor by tensor against llama.cpp's own
+  quantizer in ``tests/formats/test_gguf_rules_vs_llama_cpp.py``).
 
 ``use_more_bits(i, n)``: the first and last eighth of the layers, and every third layer
 in between (``(i - n//8) % 3 == 2``): 14 of 30 layers, 40 of 80.
@@ -31,7 +33,7 @@ Example:
     >>> tensor_type("Q4_K_M", "blk.10.attn_v.weight", 8192, 80, n_gqa=8)   # 70B: Q4_K -> Q5_K
     'q5_k'
     >>> tensor_type("Q3_K_M", "blk.6.attn_q.weight", 576, 30)   # 576 % 256 != 0
-    'iq4_nl'
+    'q4_0'
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ GGUF_TYPES: dict[str, tuple[int, int, int]] = {
     "iq4_nl": (32, 18, 4), "iq4_xs": (256, 136, 4),
 }
 # a row length the block does not divide: llama.cpp's replacement (then F16)
-FALLBACK = {"q2_k": "iq4_nl", "q3_k": "iq4_nl", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
+FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
             "iq4_xs": "iq4_nl"}
 # llama.cpp file type (llama_ftype) -> (base GGUF type, id written to general.file_type)
 FILE_TYPES: dict[str, tuple[str, int]] = {

@@ -103,7 +103,8 @@ def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
 
 def write_model_gguf(model, out, qtype: str = "q8_0") -> Path:
     """Write a transformers Llama/Qwen2/Mistral ``model`` to ``out`` with every linear and the
-    embedding in the GGUF type ``qtype`` (norms and biases F32), in llama.cpp's tensor names
+    embedding in the GGUF type ``qtype`` (norms and biases F32; ``"f32"``: everything F32,
+    a float source for llama.cpp's own quantizer), in llama.cpp's tensor names
     and q/k row order, with the hyper-parameters transformers reads back (``AutoConfig``).
     No tokenizer is written: the file is for code that feeds token ids (tests, benchmarks).
 
@@ -123,7 +124,7 @@ def write_model_gguf(model, out, qtype: str = "q8_0") -> Path:
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(cfg.model_type)
     if arch is None:
         raise ValueError(f"write_model_gguf writes llama, mistral and qwen2 models, got {cfg.model_type!r}")
-    t = gguf_type(qtype)
+    t = None if str(qtype).lower() == "f32" else gguf_type(qtype)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     out = Path(out)
     w = gguf.GGUFWriter(str(out), arch)
@@ -145,7 +146,7 @@ def write_model_gguf(model, out, qtype: str = "q8_0") -> Path:
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             a = permute_rows(a, heads if "attn_q" in gname else kv_heads, inverse=False)
         a = a.numpy()
-        if a.ndim == 2 and a.shape[1] % t.block_size == 0:
+        if t is not None and a.ndim == 2 and a.shape[1] % t.block_size == 0:
             w.add_tensor(gname, quantize_gguf(a, t.name), raw_dtype=gguf.GGMLQuantizationType(t.ggml_id))
         else:
             w.add_tensor(gname, np.ascontiguousarray(a))

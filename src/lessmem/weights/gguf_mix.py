@@ -36,8 +36,8 @@ def tensor_type(mix: str, name: str, n_cols: int, n_layers: int, has_output: boo
                 ndim: int = 2, n_gqa: int = 1, n_expert: int = 1) -> str:
     """GGUF type name (lower case, or "f32") for tensor ``name`` with rows of ``n_cols``.
 
-    ValueError when llama.cpp's choice (e.g. its IQ4_NL fallback for Q3_K rows that are
-    not a multiple of 256, or F16) is a type lessmem cannot encode.
+    ValueError when llama.cpp's choice is a type lessmem cannot encode (F16, for rows that
+    are not a multiple of 32).
     """
     t = gguf_rules.tensor_type(mix, name, n_cols, n_layers, has_output, ndim, n_gqa, n_expert)
     if t == "f16":
