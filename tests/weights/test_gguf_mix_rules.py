@@ -28,10 +28,16 @@ def test_wrapper_is_the_plan_rule():
     assert gguf_mix.check_mix("q4_k_m") == "Q4_K_M"
 
 
-def test_wrapper_refuses_types_it_cannot_encode():
-    # llama.cpp would write IQ4_NL for a Q3_K row of 576 and F16 for a row of 48
+def test_wrapper_refuses_types_it_cannot_encode(monkeypatch):
+    # a Q3_K row of 576 falls back to Q4_0 (encodable); a type lessmem has no encoder for
+    # (IQ4_NL, which older llama.cpp chose there) and F16 (rows of 48) are refused
+    assert gguf_mix.tensor_type("Q3_K_M", "blk.0.attn_q.weight", 576, 30) == "q4_0"
+    from lessmem.base import gguf_rules
+
+    monkeypatch.setitem(gguf_rules.FALLBACK, "q3_k", "iq4_nl")
     with pytest.raises(ValueError, match="stores it as iq4_nl in Q3_K_M .row length 576.*cannot encode"):
         gguf_mix.tensor_type("Q3_K_M", "blk.0.attn_q.weight", 576, 30)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="row length 48 is not a multiple of 32"):
         gguf_mix.tensor_type("Q4_0", "blk.0.attn_q.weight", 48, 30)
     with pytest.raises(ValueError, match="GGUF type 'Q7_K' is not supported; allowed: Q4_0"):
