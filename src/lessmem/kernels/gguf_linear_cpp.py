@@ -19,16 +19,17 @@ float32 operations of ``formats.gguf.dequantize_gguf`` in the same order (``d·(
 is fused), hence bit-identical weights; ``gguf_dequantize`` writes them out (used above
 ``FUSED_MAX_ROWS`` rows: decode once, BLAS). The dot products use fused multiply-adds in
 a different order than the reference, so ``y`` equals the float64 reference to float32
-rounding (relative error ~1e-7), not bit for bit. Activations stay float32 (no int8
-quantization of ``x`` as llama.cpp does). AVX-512 and AVX2 use intrinsics, other CPUs a
-plain loop of 16.
+rounding (relative error ~1e-7), not bit for bit. Activations stay float32 here;
+``gguf_linear_q8`` (below) is the int8-activation path, as llama.cpp multiplies. AVX-512
+and AVX2 use intrinsics, other CPUs a plain loop of 16.
 
-Layers under ~1M weights run on one thread. Larger ones use a small thread pool rather
-than OpenMP: an OpenMP region ends with a barrier on every thread, so on a machine with
-more runnable processes than cores one descheduled thread holds up the whole call; here
-the caller waits only for chunks a helper has claimed, so at worst it runs at one-thread
-speed. Measure speed-ups on a quiet machine (``benchmarks/bench_gguf_linear.py`` records
-the load average).
+Layers under 64k weights × rows run on one thread; larger ones split their rows over
+torch's intra-op threads (``at::parallel_for``, the OpenMP pool torch's own ops use: its
+threads are still spinning between the back-to-back calls of a decode step, where a
+second pool's helpers would compete with them for the cores; on the built-in model, 2
+threads, the 210 decode linears took 7.1-7.8 ms against 8.2-11.2 ms with the earlier
+private pool and a 1M threshold). Measure speed-ups on a quiet machine
+(``benchmarks/bench_gguf_linear.py`` records the load average).
 
 When no compiler is available, or the tensors are not on the CPU, the functions run the
 torch fallback in ``gguf_linear_torch`` (the blocks decoded with torch ops on their own

@@ -8,20 +8,14 @@
 #include <cmath>
 #include <cstring>
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 #include <ATen/Parallel.h>
 #if defined(__F16C__) || defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#define PAR_MIN_WORK 1048576
+#define PAR_MIN_WORK 65536
 
 static inline float h2f(const uint8_t* p) {
   uint16_t b; std::memcpy(&b, p, 2);
@@ -238,96 +232,16 @@ template <int T> static inline V16 weights16(const uint8_t* q, const float* a, c
   return vmul(vset(a[g]), vsub(v, vset((float)Traits<T>::OFF)));
 }
 
-// ---------------------------------------------------------------- thread pool
-// parallel_chunks(n, chunk, f): f(begin, end) over [0, n) in chunks, run by the caller and
-// by helper threads that join when they are running. Unlike an OpenMP region there is no
-// closing barrier on every thread: the caller returns once every *claimed* chunk is done,
-// so a helper the OS has not scheduled (a machine with more runnable jobs than cores)
-// cannot hold a call up; the caller simply does its share. Helpers spin ~50 us after a job
-// (decode calls come back to back), then sleep. Threads: torch.get_num_threads().
-struct Job {
-  std::function<void(int64_t, int64_t)> fn;
-  int64_t n = 0, chunk = 1, total = 0;
-  int helpers = 0;  // how many helpers may join
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-class Pool {
- public:
-  void run(int64_t n, int64_t chunk, int threads, std::function<void(int64_t, int64_t)> fn) {
-    auto job = std::make_shared<Job>();
-    job->fn = std::move(fn); job->n = n; job->chunk = chunk; job->total = (n + chunk - 1) / chunk;
-    job->helpers = threads - 1;
-    grow(threads - 1);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      job_ = job;
-      gen_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
-    work(*job);
-    while (job->done.load(std::memory_order_acquire) < job->total) _yield();
-    std::lock_guard<std::mutex> lk(mu_);
-    if (job_ == job) job_.reset();
-  }
-
- private:
-  static void _yield() {
-#if defined(__SSE2__)
-    _mm_pause();
-#endif
-    std::this_thread::yield();
-  }
-  static void work(Job& job) {
-    for (;;) {
-      const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= job.total) return;
-      job.fn(c * job.chunk, std::min(job.n, (c + 1) * job.chunk));
-      job.done.fetch_add(1, std::memory_order_release);
-    }
-  }
-  void grow(int want) {
-    std::lock_guard<std::mutex> lk(mu_);
-    while ((int)started_ < want) {
-      const int id = started_++;
-      std::thread([this, id] { helper(id); }).detach();
-    }
-  }
-  void helper(int id) {
-    uint64_t seen = 0;
-    for (;;) {
-      // spin a little for the next job, then sleep until one is posted
-      const auto t0 = std::chrono::steady_clock::now();
-      while (gen_.load(std::memory_order_acquire) == seen &&
-             std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(50)) {
-#if defined(__SSE2__)
-        _mm_pause();
-#endif
-      }
-      std::shared_ptr<Job> job;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
-        seen = gen_.load(std::memory_order_acquire);
-        job = job_;
-      }
-      if (job && id < job->helpers) work(*job);  // a job already finished: nothing left to claim
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::atomic<uint64_t> gen_{0};
-  std::shared_ptr<Job> job_;
-  int started_ = 0;
-};
-
-static Pool* POOL = new Pool();  // never destroyed: helpers are detached and live until exit
-
-// ~1M weights: below this one thread decodes faster than helpers wake up.
+// ---------------------------------------------------------------- threads
+// parallel_chunks(n, chunk, work, f): f(begin, end) over [0, n) in chunks of rows, on torch's
+// intra-op threads (at::parallel_for: the one OpenMP pool torch's own ops use, so the
+// helpers are already awake between back-to-back calls and no second pool competes with
+// it for the cores). Below PAR_MIN_WORK weights x rows one thread is faster.
 template <class F> static inline void parallel_chunks(int64_t n, int64_t chunk, int64_t work, F f) {
   const int threads = std::max(1, at::get_num_threads());
   if (threads == 1 || work < PAR_MIN_WORK || n <= chunk) { f(0, n); return; }
-  POOL->run(n, chunk, threads, f);
+  const int64_t nc = (n + chunk - 1) / chunk;
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) { f(c0 * chunk, std::min(n, c1 * chunk)); });
 }
 
 // ---------------------------------------------------------------- kernels
