@@ -12,7 +12,9 @@ Protocol (fixed, reproducible):
 3. For each window and each config a fresh cache is built; the first
    ``P = window_len // 4`` tokens are prefilled through it in one forward pass;
    the remaining tokens are fed through the same cache in chunks of ``chunk`` tokens
-   (``chunk=1`` is exact token-by-token decoding).
+   (``chunk=1`` is exact token-by-token decoding). GGUF linears held as blocks multiply
+   float32 activations throughout (their int8-activation decode path is switched off
+   for the run), so every config differs from the baseline by its cache alone.
 4. Every token after the prefill is scored (``window_len - P`` per window): token
    ``P`` from the prefill's last logits, tokens ``P+1..N-1`` from the chunks' logits.
 5. The unquantized baseline (transformers ``DynamicCache``) runs in lockstep with the
@@ -38,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable
@@ -192,7 +195,7 @@ def evaluate(
         raise TypeError(f"warmup={warmup!r}; allowed: True or False")
     specs = _baseline_first(resolve_configs(configs))
     ids_all = make_windows(tok, text, windows, window_len)
-    with enable(model):
+    with enable(model), _float_activations(model):
         run = _Lockstep(model, specs, window_len, chunk, progress, log)
         if warmup:
             run.warm_up(ids_all[:1])
@@ -204,6 +207,26 @@ def evaluate(
         "warmup": bool(warmup),
     }
     return _rows(specs, run.accs, protocol)
+
+
+@contextlib.contextmanager
+def _float_activations(model):
+    """GGUF linears multiply float32 activations while the protocol runs (undone after):
+    int8 activations (``GGUFLinear.int8_activations``, on by default for decode rows of a
+    GGUF loaded as blocks) round each block of x to a 1/127 grid, so any small change the
+    cache makes to a layer's input flips some roundings and the rows differ by that
+    rounding, whatever the cache; the protocol measures the cache, against the baseline,
+    with the same weights and float activations for every config."""
+    from lessmem.weights.gguf_linear import GGUFLinear
+
+    q8 = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.int8_activations]
+    for m in q8:
+        m.int8_activations = False
+    try:
+        yield
+    finally:
+        for m in q8:
+            m.int8_activations = True
 
 
 def _baseline_first(specs: list[CacheSpec]) -> list[CacheSpec]:
