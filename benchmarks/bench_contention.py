@@ -54,7 +54,8 @@ VARIANTS = {  # name: (OMP_WAIT_POLICY, or "lessmem" for lessmem's own setting, 
     "lessmem-auto": ("lessmem", "auto"),
 }
 QUICK_VARIANTS = ("lessmem", "passive", "spin")
-_OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+_OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # lessmem.OMP_WAIT_VARS; a worker
+# must not import lessmem to read them: the import sets them, before torch starts
 
 
 # ----------------------------------------------------------------------------- worker

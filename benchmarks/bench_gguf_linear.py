@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import header, interleaved, parser, write_result  # noqa: E402
 
+import lessmem  # noqa: E402
 from lessmem.formats.gguf import GGUF_TYPES, quantize_gguf  # noqa: E402
 from lessmem.kernels import gguf_linear_cpp  # noqa: E402
 from lessmem.kernels.gguf_linear_reference import gguf_linear_ref  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> int:
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
     all_threads = torch.get_num_threads()
     h = header(shapes=shapes, batch=1, types=types, cpp_kernel=gguf_linear_cpp.available(),
-               load_avg_start=os.getloadavg(), omp_settings={n: os.environ.get(n) for n in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
+               load_avg_start=os.getloadavg(), omp_settings={n: os.environ.get(n) for n in lessmem.OMP_WAIT_VARS})
     rows = []
     for k, n in shapes:
         torch.manual_seed(0)

@@ -17,13 +17,14 @@ import os
 # then sleep. The OpenMP runtime reads this once, when torch is first imported. Its
 # default spins much longer, taking cores that other processes' work needs; sleeping at
 # once (OMP_WAIT_POLICY=PASSIVE) makes every parallel region wake a sleeping thread,
-# ~0.2 ms each on this project's machine, and a decode step runs hundreds of them
+# and a decode step runs hundreds of them
 # (benchmarks/results/bench_contention.json measures the three; what keeps decode from
 # collapsing beside busy processes is fewer threads, lessmem.base.cpu). Effective when
 # lessmem is imported before torch (the `lessmem` command always is). An explicit
 # OMP_WAIT_POLICY, GOMP_SPINCOUNT (libgomp) or KMP_BLOCKTIME (LLVM/Intel OpenMP) is kept.
 SPIN_SETTINGS = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
-OMP_POLICY_FROM_LESSMEM = not any(v in os.environ for v in ("OMP_WAIT_POLICY", *SPIN_SETTINGS))
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", *SPIN_SETTINGS)  # any one set by the user: lessmem sets none
+OMP_POLICY_FROM_LESSMEM = not any(v in os.environ for v in OMP_WAIT_VARS)
 if OMP_POLICY_FROM_LESSMEM:  # (`lessmem serve` takes it back)
     os.environ.update(SPIN_SETTINGS)
 

@@ -29,8 +29,10 @@ def _run(code_or_args, env_extra=None, module=False, **kw):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "TRANSFORMERS_VERBOSITY",
-                                                             "HF_HUB_DISABLE_PROGRESS_BARS")}
+    import lessmem
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*lessmem.OMP_WAIT_VARS, "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "lessmem", *code_or_args] if module else [sys.executable, "-c", code_or_args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kw)

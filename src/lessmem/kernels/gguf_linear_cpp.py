@@ -26,9 +26,7 @@ and AVX2 use intrinsics, other CPUs a plain loop of 16.
 Layers under 64k weights × rows run on one thread; larger ones split their rows over
 torch's intra-op threads (``at::parallel_for``, the OpenMP pool torch's own ops use: its
 threads are still spinning between the back-to-back calls of a decode step, where a
-second pool's helpers would compete with them for the cores; on the built-in model, 2
-threads, the 210 decode linears took 7.1-7.8 ms against 8.2-11.2 ms with the earlier
-private pool and a 1M threshold). Measure speed-ups on a quiet machine
+second pool's helpers would compete with them for the cores). Measure speed-ups on a quiet machine
 (``benchmarks/bench_gguf_linear.py`` records the load average).
 
 When no compiler is available, or the tensors are not on the CPU, the functions run the

@@ -68,14 +68,21 @@ def _fp_attention(q, k, v, mask, scaling):
     return torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v, lse
 
 
-def _attention_lse(q, k, v, scaling):
-    """(out float32, lse) of q [B, H, T, D] over k, v [B, H, N, D] of as many heads, no mask."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scaling)
-        return out.float(), lse
-    s = (q @ k.transpose(-1, -2)) * scaling
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+def _causal_tail(n: int, Tq: int, device) -> torch.Tensor:
+    """Additive mask [1, 1, Tq, n]: the queries are the last Tq of n positions, each sees
+    itself and every position before it (causal, bottom-right aligned)."""
+    cols = torch.arange(n, device=device)
+    rows = torch.arange(Tq, device=device) + (n - Tq)
+    return _additive(cols[None, :] <= rows[:, None])[None, None]
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Exact union of two attention results over disjoint key sets, by their log-sum-exp:
+    ``(out, lse)``; a side that saw no key (lse = -inf) weighs nothing."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).nan_to_num(0.0).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
+    return out_a * w_a + out_b.nan_to_num(0.0) * w_b, lse
 
 
 def _sdpa_gqa(q, k, v, mask, scaling):
@@ -194,7 +201,7 @@ class LayerView:
                 t1 = min(t0 + step, n)
                 yield k.slice_tokens(t0, t1), v.slice_tokens(t0, t1)
 
-    def _attend_dequantized(self, qf, scaling):
+    def _attend_dequantized(self, qf, kf, vf, scaling):
         """A long chunk of queries (prefill): the work is the Tq × L scores, not reading the
         history, so the history is dequantized a slice at a time (``PREFILL_SLICE_TOKENS``)
         and each slice goes to flash attention with every query row (no mask: the whole
@@ -203,32 +210,18 @@ class LayerView:
         chunk, causal within it) are one more call; the pieces merge by their log-sum-exp.
         Transient memory is one slice's float keys and values, whatever the context length."""
         B, Hq, Tq, D = qf.shape
-        Hkv = self.history.n_kv_heads
-        rep = Hq // Hkv
-        kf, vf = self._fp_parts(torch.float32)
-        n = kf.shape[2]
-        cols = torch.arange(n, device=qf.device)
-        rows = torch.arange(Tq, device=qf.device) + (n - Tq)
-        m_fp = _additive(cols[None, :] <= rows[:, None])[None, None]
-        out, lse = _fp_attention(qf, kf, vf, m_fp, scaling)
-        out = out.float()
+        out, lse = _fp_attention(qf, kf, vf, _causal_tail(kf.shape[2], Tq, qf.device), scaling)
         qh = qf @ _rot_matrix(self.rot_k, qf.device) if self.rot_k is not None else qf
-        qg = qh.reshape(B, Hkv, rep * Tq, D)  # query heads of one KV head as rows
+        Hkv = self.history.n_kv_heads
+        qg = qh.reshape(B, Hkv, Hq // Hkv * Tq, D)  # query heads of one KV head as rows
         out_h = lse_h = None
         for ks, vs in self._history_slices():
-            o, l = _attention_lse(qg, ks.dequantize(), vs.dequantize(), scaling)
-            if out_h is None:
-                out_h, lse_h = o, l
-            else:
-                lse_n = torch.logaddexp(lse_h, l)
-                out_h = out_h * torch.exp(lse_h - lse_n).unsqueeze(-1) + o * torch.exp(l - lse_n).unsqueeze(-1)
-                lse_h = lse_n
+            o, l = _fp_attention(qg, ks.dequantize(), vs.dequantize(), None, scaling)  # as many heads
+            out_h, lse_h = (o, l) if out_h is None else _merge(out_h, lse_h, o, l)
         out_h = out_h.reshape(B, Hq, Tq, D)
-        lse_h = lse_h.reshape(B, Hq, Tq)
         if self.rot_v is not None:
             out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
-        lse_n = torch.logaddexp(lse_h, lse)
-        return out_h * torch.exp(lse_h - lse_n).unsqueeze(-1) + out * torch.exp(lse - lse_n).unsqueeze(-1)
+        return _merge(out_h, lse_h.reshape(B, Hq, Tq), out, lse)[0]
 
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] (q's dtype) for queries q [B, Hq, Tq, D].
@@ -248,7 +241,7 @@ class LayerView:
             if out is not None:
                 return out.to(q.dtype)
         if nh and mask is None and Tq >= PREFILL_DEQUANT_QUERIES:
-            return self._attend_dequantized(qf, scaling).to(q.dtype)
+            return self._attend_dequantized(qf, kf, vf, scaling).to(q.dtype)
         if mask is not None:
             m = _additive(mask)[..., -Tq:, :]
             if m.shape[-1] != L:
@@ -259,12 +252,8 @@ class LayerView:
         else:
             m_h = None
             m_fp = None
-            if Tq > 1:  # causal within the current chunk (bottom-right aligned)
-                n = kf.shape[2]
-                cols = torch.arange(n, device=q.device)
-                rows = torch.arange(Tq, device=q.device) + (n - Tq)
-                allowed = cols[None, :] <= rows[:, None]
-                m_fp = _additive(allowed)[None, None].expand(B, 1, Tq, n).contiguous()
+            if Tq > 1:  # causal within the current chunk
+                m_fp = _causal_tail(kf.shape[2], Tq, q.device).expand(B, 1, Tq, kf.shape[2]).contiguous()
         if not nh:  # no history to merge with: no log-sum-exp needed, GQA without copies
             return _sdpa_gqa(qf, kf, vf, m_fp, scaling).to(q.dtype)
         out_f, lse_f = _fp_attention(qf, kf, vf, m_fp, scaling)
@@ -274,8 +263,4 @@ class LayerView:
         out_h, lse_h = quantized_attention(qh, self.history, m_h)
         if self.rot_v is not None:
             out_h = self.rot_v.inverse(out_h)
-        lse = torch.logaddexp(lse_h, lse_f)
-        w_h = torch.exp(lse_h - lse).nan_to_num(0.0).unsqueeze(-1)
-        w_f = torch.exp(lse_f - lse).nan_to_num(0.0).unsqueeze(-1)
-        out = out_h * w_h + out_f.nan_to_num(0.0) * w_f
-        return out.to(q.dtype)
+        return _merge(out_h, lse_h, out_f, lse_f)[0].to(q.dtype)

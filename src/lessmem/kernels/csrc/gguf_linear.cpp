@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstring>
 #include <algorithm>
-#include <memory>
 #include <vector>
 #include <ATen/Parallel.h>
 #if defined(__F16C__) || defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
