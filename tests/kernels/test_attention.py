@@ -259,5 +259,5 @@ def test_batch_of_requests_refuses_mixed_formats_and_bad_pieces():
     with pytest.raises(ValueError, match="one format for all"):
         fused_attention_batch(q, q, [a, b], [cur, cur])
     bad = [(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64).half())]  # keys fp32, values fp16
-    with pytest.raises(RuntimeError, match="keys and values alike"):
+    with pytest.raises(RuntimeError, match="the same for keys and values"):
         fused_attention_batch(q[:1], q[:1], [a], [bad])

@@ -338,10 +338,23 @@ def _layouts(kv) -> tuple:
 
 
 def _fp_piece(t: torch.Tensor) -> torch.Tensor:
-    """A full-precision piece as the batch kernel reads it: float32 or float16, contiguous."""
+    """A full-precision piece [1, Hkv, L, D] as the batch kernel reads it: float32 or float16,
+    rows of D contiguous and in order within a head, heads any number of rows apart (a
+    window is a prefix of a buffer with room to grow: read in place)."""
     if t.dtype not in (torch.float32, torch.float16):
         t = t.float()
-    return t if t.is_contiguous() else t.contiguous()
+    _, H, L, D = t.shape
+    rows_ok = t.stride(3) == 1 and (L < 2 or t.stride(2) == D)
+    return t if rows_ok and (H < 2 or t.stride(1) >= L * D) else t.contiguous()
+
+
+def _fp_pair(k: torch.Tensor, v: torch.Tensor):
+    """Keys and values of one piece as :func:`_fp_piece` makes them, their heads equally far
+    apart (the kernel reads both with one head stride)."""
+    k, v = _fp_piece(k), _fp_piece(v)
+    if k.shape[1] > 1 and k.stride(1) != v.stride(1):
+        k, v = k.contiguous(), v.contiguous()
+    return k, v
 
 
 def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list, fp_pieces: list):
@@ -367,8 +380,9 @@ def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list,
                              "allowed: one format for all")
         tables.append(_kernel_table(kv))
         seg.append(_kernel_args(kv)[18])
-        fk.append([_fp_piece(p[0]) for p in pieces])
-        fv.append([_fp_piece(p[1]) for p in pieces])
+        pairs = [_fp_pair(*p) for p in pieces]
+        fk.append([p[0] for p in pairs])
+        fv.append([p[1] for p in pairs])
         splits.append(_n_split(1, kv.n_kv_heads, kv.n_tokens))  # its own numbers: batch-independent
     first = _kernel_args(histories[0])
     return mod.qattn_batch(q_h.float().contiguous(), q_f.float().contiguous(), tables, histories[0].n_kv_heads,

@@ -96,6 +96,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.sinks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.window: tuple[torch.Tensor, torch.Tensor] | None = None
         self.history: dict[str, torch.Tensor] | None = None
+        self._read = None  # (history dict, its QuantKV): read_history's memo
         self.n_history = 0
         self.length = 0
         self.is_initialized = False
@@ -170,6 +171,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def _append_history(self, new: dict[str, torch.Tensor]) -> None:
         """Append encoded tokens (codes/scales/zero points, tokens along dim 2)."""
+        self._read = None  # (the old parts are freed once the step's view lets go of them)
         if self.history is None:
             self.history = {name: t.contiguous() for name, t in new.items()}
         else:
@@ -177,13 +179,20 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.n_history += new["k_codes"].shape[2]
 
     def read_history(self) -> QuantKV | None:
-        """The quantized history as attention reads it (the one read point)."""
+        """The quantized history as attention reads it (the one read point). The same object
+        until the history changes, so what the kernels derive from it (argument lists, the
+        pointer table) is made once per block, not once per step."""
         h = self.history
         if h is None:
             return None
+        memo = self.__dict__.get("_read")
+        if memo is not None and memo[0] is h:
+            return memo[1]
         D = self.head_dim
-        return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
-                       _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
+        kv = QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
+                     _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
+        self._read = (h, kv)
+        return kv
 
     def blocks(self) -> list[KVBlock]:
         """The history as immutable blocks of ``block_size`` tokens (views, no copy)."""
@@ -233,6 +242,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.window = (fn(self.window[0]), fn(self.window[1]))
             if self.history is not None:
                 self.history = {n: fn(t) for n, t in self.history.items()}
+                self._read = None
         self.batch_size = (self.keys if not self.quantized else self.window[0]).shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import QuantKV, QuantSide, fused_attention, quantized_attention
+from ..kernels.attention import QuantKV, QuantSide, fused_attention, fused_attention_batch, quantized_attention
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
@@ -180,6 +180,23 @@ class LayerView:
             out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
         return out_f + out_h
 
+    def _attend_row(self, q, scaling):
+        """One decode row (batch 1, one query token, no mask): one C++ call reads the
+        history and every full-precision piece (sinks, window, current token) in place, as
+        stored (fp16 or fp32): nothing is concatenated or cast per step. None without the
+        C++ kernel."""
+        Hq, D = q.shape[1], q.shape[3]
+        q_f = q.reshape(1, Hq, D).float() * scaling
+        q_h = q_f @ _rot_matrix(self.rot_k, q.device) if self.rot_k is not None else q_f
+        pieces = [p for p in (self.sinks, self.window, self.current) if p is not None and p[0].shape[2]]
+        res = fused_attention_batch(q_h, q_f, [self.history], [pieces])
+        if res is None:
+            return None
+        out_h, out_f = res
+        if self.rot_v is not None:
+            out_h = out_h @ _rot_matrix(self.rot_v, q.device).T
+        return (out_f + out_h).reshape(1, Hq, 1, D).to(q.dtype)
+
     def _history_slices(self):
         """The history as ``(keys, values)`` :class:`QuantSide` pieces of at most
         ``PREFILL_SLICE_TOKENS`` tokens, in order, read in place (a SegmentedKV's parts are
@@ -230,6 +247,10 @@ class LayerView:
         over all L = sinks + history + window + current positions.
         """
         B, Hq, Tq, D = q.shape
+        if B == 1 and Tq == 1 and mask is None and self.n_history:
+            out = self._attend_row(q, scaling)
+            if out is not None:
+                return out
         qf = q.float()
         kf, vf = self._fp_parts(torch.float32)
         s, nh = self.n_sinks, self.n_history

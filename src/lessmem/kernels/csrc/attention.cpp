@@ -271,23 +271,26 @@ QSide side_from_table(const int64_t* t, int64_t& pos, int64_t len, const torch::
 // Full-precision part (sinks, window, current chunk): float rows read directly, scored
 // with the unrotated queries. It may come in pieces (e.g. sinks, window and current
 // tokens, never concatenated): piece p holds tokens [off[p], off[p] + L[p]) as
-// [B, Hkv, L[p], D]. "causal": row tq sees fp token j only when j <= L - Tq + tq (the
-// current chunk is the last Tq fp tokens).
+// [B, Hkv, L[p], D] rows, stream bh's first row hs[p] elements after stream bh-1's (L[p]*D
+// when contiguous; more for the window, a prefix of a buffer with room to grow). "causal":
+// row tq sees fp token j only when j <= L - Tq + tq (the current chunk is the last Tq fp
+// tokens).
 constexpr int MAX_PIECES = 4;
 struct FpPart {
   const void* k[MAX_PIECES] = {}; const void* v[MAX_PIECES] = {}; bool half[MAX_PIECES] = {};
-  int64_t off[MAX_PIECES + 1] = {}; int np = 0;
+  int64_t off[MAX_PIECES + 1] = {}; int64_t hs[MAX_PIECES] = {}; int np = 0;
   const float* q = nullptr; const float* mask = nullptr; int64_t L = 0; bool causal = false;
-  void add(const void* kp, const void* vp, int64_t n, bool is_half) {
+  void add(const void* kp, const void* vp, int64_t n, bool is_half, int64_t head_stride) {
     TORCH_CHECK(np < MAX_PIECES, "qattn: at most ", MAX_PIECES, " full-precision pieces");
-    k[np] = kp; v[np] = vp; half[np] = is_half; off[np + 1] = off[np] + n; ++np; L = off[np];
+    k[np] = kp; v[np] = vp; half[np] = is_half; hs[np] = head_stride; off[np + 1] = off[np] + n; ++np;
+    L = off[np];
   }
   // row t of (b, h) stream bh, keys (side 0) or values (side 1): in place when float32,
   // else converted into buf
   inline const float* row(int side, int64_t bh, int64_t t, int64_t D, float* __restrict__ buf) const {
     int p = 0;
     while (t >= off[p + 1]) ++p;
-    const int64_t n = off[p + 1] - off[p], at = (bh * n + t - off[p]) * D;
+    const int64_t at = bh * hs[p] + (t - off[p]) * D;
     const void* base = side ? v[p] : k[p];
     if (!half[p]) return static_cast<const float*>(base) + at;
     half_to_float(static_cast<const at::Half*>(base) + at, buf, D);
@@ -526,7 +529,7 @@ std::vector<torch::Tensor> qattn_forward(
   J.K = &K; J.V = &V; J.B = B; J.Tq = Tq; J.T = T; J.nsplit = nsplit < 1 ? 1 : nsplit;
   J.q = q.data_ptr<float>(); J.mask = mask.numel() ? mask.data_ptr<float>() : nullptr;
   if (kfp.numel()) {
-    J.F.add(kfp.data_ptr<float>(), vfp.data_ptr<float>(), kfp.size(2), false); J.F.q = qf.data_ptr<float>();
+    J.F.add(kfp.data_ptr<float>(), vfp.data_ptr<float>(), kfp.size(2), false, kfp.size(2) * D); J.F.q = qf.data_ptr<float>();
     J.F.mask = maskf.numel() ? maskf.data_ptr<float>() : nullptr; J.F.causal = causal;
   }
   const int64_t nitem = J.nsplit + 1;
@@ -598,12 +601,14 @@ std::vector<torch::Tensor> qattn_batch(
     for (size_t i = 0; i < fk[r].size(); ++i) {
       const auto& a = fk[r][i]; const auto& b = fv[r][i];
       const auto dt = a.scalar_type();
-      TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kFloat16) && b.scalar_type() == dt && a.is_contiguous()
-                  && b.is_contiguous() && a.dim() == 4 && a.sizes() == b.sizes() && a.size(0) == 1
-                  && a.size(1) == Hkv && a.size(3) == D,
-                  "qattn_batch: full-precision pieces must be contiguous float32 or float16 [1, Hkv, L, D], "
-                  "keys and values alike");
-      if (a.size(2)) J.F.add(a.data_ptr(), b.data_ptr(), a.size(2), dt == torch::kFloat16);
+      TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kFloat16) && b.scalar_type() == dt
+                  && a.dim() == 4 && a.sizes() == b.sizes() && a.size(0) == 1 && a.size(1) == Hkv
+                  && a.size(3) == D && a.stride(3) == 1 && b.stride(3) == 1
+                  && (a.size(2) < 2 || (a.stride(2) == D && b.stride(2) == D))
+                  && (Hkv < 2 || (a.stride(1) == b.stride(1) && a.stride(1) >= a.size(2) * D)),
+                  "qattn_batch: full-precision pieces must be float32 or float16 [1, Hkv, L, D], rows of D "
+                  "contiguous, heads any number of rows apart (the same for keys and values)");
+      if (a.size(2)) J.F.add(a.data_ptr(), b.data_ptr(), a.size(2), dt == torch::kFloat16, a.stride(1));
     }
     const int64_t n = Hkv * (J.nsplit + 1) * nrep;
     J.pm = pp + used; J.pl = pp + used + n; J.pa = pp + used + 2 * n;
