@@ -57,6 +57,32 @@ CANDIDATES_2 = {
 }
 
 
+# ~3.5 average bits at the model's context (8k) with windows and sinks counted: 3-bit sides
+# with 128-token key groups, Lloyd-Max codebooks after rotation (TurboQuant-style), clipping
+def _r(k, v, **kw):
+    return KVConfig(keys=k, values=v, rotate_keys=True, rotate_values=True,
+                    **{"block_size": 128, "window": 64, **kw})
+
+
+CANDIDATES_35 = {
+    "k3ch128rot-v3tokrot": _r(t("uint", 3, ch(128)), t("uint", 3)),
+    "k3lmch128rot-v3lmtokrot": _r(t("lm", 3, ch(128)), t("lm", 3)),
+    "k3ch128rot-v3lmtokrot": _r(t("uint", 3, ch(128)), t("lm", 3)),
+    "k3ch128rot-v3tokrot-clip.9": _r(t("uint", 3, ch(128)), KVTensorConfig("uint", 3, PerToken(), 0.9)),
+    "k4ch128rot-v3lmtokrot": _r(t("uint", 4, ch(128)), t("lm", 3)),
+    "k3ch128rot-v4lmtokrot": _r(t("uint", 3, ch(128)), t("lm", 4)),
+    "k3ch64rot-v3tokrot-b64": _r(t("uint", 3, ch(64)), t("uint", 3), block_size=64, window=96),
+}
+# ~2.5 average bits at 8k: 2-bit values, 2- or 3-bit keys
+CANDIDATES_25 = {
+    "k2ch128rot-v2lmtokrot": _r(t("uint", 2, ch(128)), t("lm", 2)),
+    "k2lmch128rot-v2lmtokrot": _r(t("lm", 2, ch(128)), t("lm", 2)),
+    "k3lmch128rot-v2lmtokrot": _r(t("lm", 3, ch(128)), t("lm", 2)),
+    "k3ch128rot-v2tokrot": _r(t("uint", 3, ch(128)), t("uint", 2)),
+    "k3ch128rot-v2lmtokrot": _r(t("uint", 3, ch(128)), t("lm", 2)),
+}
+
+
 class _Dims:
     layers, kv_heads, head_dim = 30, 3, 64
 
@@ -66,7 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--window-len", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=16)
-    p.add_argument("--which", default="4,2")
+    p.add_argument("--which", default="4,2,presets",
+                   help="candidate groups, comma-separated: 4, 2, 35, 25, presets")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tuning.json")
     args = p.parse_args(argv)
     import lessmem
@@ -82,7 +109,13 @@ def main(argv=None) -> int:
         cands.update(CANDIDATES_4)
     if "2" in args.which.split(","):
         cands.update(CANDIDATES_2)
-    cands.update({f"preset:{n}": PRESETS[n] for n in ("int8", "fp8", "kivi-4", "kivi-2")})
+    if "35" in args.which.split(","):
+        cands.update(CANDIDATES_35)
+    if "25" in args.which.split(","):
+        cands.update(CANDIDATES_25)
+    if "presets" in args.which.split(","):
+        cands.update({f"preset:{n}": PRESETS[n] for n in ("int8", "fp8", "kivi-4", "kivi-2", "best-4",
+                                                            "best-2")})
     def factory(kv):
         return lambda model_config: KVCache(model_config, kv)
 
@@ -98,10 +131,14 @@ def main(argv=None) -> int:
         if cfg is not None:
             kb, vb = cfg.effective_bits(64)
             plan = kv_bytes(_Dims(), 4096, 1, cfg.to_plan(r["config"]))
-            row.update(bits_avg=(kb + vb) / 2, compression_4k=plan["fp16"] / plan["total"], kv=cfg.to_dict())
+            plan8 = kv_bytes(_Dims(), 8192, 1, cfg.to_plan(r["config"]))
+            row.update(bits_avg=(kb + vb) / 2, compression_4k=plan["fp16"] / plan["total"],
+                       bits_4k=16 * plan["total"] / plan["fp16"], bits_8k=16 * plan8["total"] / plan8["fp16"],
+                       kv=cfg.to_dict())
         out.append(row)
         print(f"{row['config']:<28} dppl {row['delta_ppl_pct']:+7.3f}%  kld {row['kld']:.4f}  "
-              f"bits {row.get('bits_avg', 16):.3f}  x{row.get('compression_4k', 1):.2f}", flush=True)
+              f"bits {row.get('bits_avg', 16):.3f} (8k all-in {row.get('bits_8k', 16):.3f})  "
+              f"x{row.get('compression_4k', 1):.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"protocol": {k: rows[0][k] for k in ("model", "text", "windows",
                                     "window_len", "chunk", "prefill")}, "seconds": time.time() - t0,

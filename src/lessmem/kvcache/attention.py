@@ -36,16 +36,45 @@ NAME = "lessmem"
 def lessmem_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function: fused path for lessmem layer views, SDPA otherwise."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # Gemma-2's attn_logit_softcapping: SDPA cannot apply it
+        if hasattr(key, "attend"):
+            if not hasattr(key, "materialize"):
+                raise ValueError("softcap (attention logit soft-capping, e.g. Gemma-2) is not supported "
+                                 f"by {type(key).__name__}; allowed: a model without softcap, or a "
+                                 "lessmem KVCache (its layer views dequantize for soft-capped attention)")
+            key, value = key.materialize()
+        return _softcapped(query, key, value, attention_mask, scale, float(softcap)), None
     if hasattr(key, "attend"):  # a LayerView, or any view of that protocol (the serving engine's batch view)
-        if kwargs.get("softcap") is not None:
-            raise ValueError("lessmem attention does not support softcap; allowed: softcap=None")
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = key.attend(query, attention_mask, scale)  # [B, Hq, Tq, D]
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _softcapped(q, k, v, mask, scaling: float, softcap: float):
+    """Attention with soft-capped logits, ``softcap * tanh(q·k * scaling / softcap)`` (Gemma-2),
+    softmax in float32; ``k``/``v`` may have fewer heads than ``q`` (GQA). ``mask``: bool
+    (True = attend), additive, or None (causal, the queries being the last of the keys).
+    Returns [B, Tq, Hq, D] as transformers' attention functions do."""
+    import torch
+
+    from .view import _additive, _causal_tail
+
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scaling
+    s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s + _additive(mask[..., : k.shape[2]])
+    elif q.shape[2] > 1:
+        s = s + _causal_tail(k.shape[2], q.shape[2], q.device)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ v.float()).to(q.dtype).transpose(1, 2).contiguous()
 
 
 def register() -> None:

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import QuantKV, QuantSide, fused_attention, fused_attention_batch, quantized_attention
+from ..kernels.attention import (
+    QuantKV,
+    QuantSide,
+    fused_attention,
+    fused_attention_batch,
+    quantized_attention,
+)
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 from .arch import arch_for, get_module, set_module
 from .calibrate import BlockInputs, calibration_ids, describe, run_block
 from .config import GGUFConfig, HQQConfig, WeightConfig
+from .experts import fused_expert_params, split_experts
 from .gguf_apply import apply_gguf
 from .hqq import hqq_quantize
 from .qlinear import QuantLinear
@@ -106,8 +108,17 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
         raise ValueError(f"config={config!r} must be a weight config (RTNConfig, HQQConfig, "
                          "GPTQConfig, AWQConfig, SmoothQuantConfig, GGUFConfig)")
     t0 = time.perf_counter()
+    if config.needs_calibration:  # an architecture without an entry fails before the model changes
+        arch_for(getattr(getattr(model, "config", None), "model_type", None))
+    n_split = split_experts(model)  # fused MoE experts -> per-expert linears (weights.experts)
+    left = fused_expert_params(model)
+    if left:
+        warnings.warn(f"{len(left)} fused expert tensors ({', '.join(left[:2])}, ...) are not of the "
+                      "standard gate_up_proj/down_proj kind and stay in full precision", stacklevel=2)
     targets = _targets(model, config, filter_fn)
     report = {"method": config.method, "config": config.to_dict(), "layers": {}}
+    if n_split:
+        report["experts_split"] = n_split
     if config.needs_calibration:
         done = _calibrated(model, config, targets, calibration, tokenizer, progress, report)
     else:

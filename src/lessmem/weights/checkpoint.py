@@ -58,6 +58,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from ..formats.packing import pack_bits, unpack_bits
 from . import checkpoint_check as check
 from .arch import get_module, set_module
+from .experts import split_experts
 from .gguf_linear import GGUFLinear
 from .qlinear import QuantLinear
 from .rtn import QuantizedWeight
@@ -143,6 +144,7 @@ def load_quantized(directory):
     try:
         with torch.device("meta"):  # shapes only, buffers too: a config sized to attack allocates nothing
             probe = cls(config)
+        split_experts(probe)  # MoE experts as quantize_ stored them: per-expert linears
     except Exception as e:  # a config transformers' own classes cannot build
         raise check.bad(d / MARKER, f"model_config does not build a {cls.__name__}: "
                                     f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
@@ -150,6 +152,7 @@ def load_quantized(directory):
     del probe
     with parameters_on_meta():  # now the real skeleton: buffers computed, parameters empty
         model = cls(config)
+        split_experts(model)
     with tensors:
         _fill(model, meta, tensors)
     model._lessmem_quant = meta.get("quantization")
