@@ -72,6 +72,11 @@ CANDIDATES_35 = {
     "k4ch128rot-v3lmtokrot": _r(t("uint", 4, ch(128)), t("lm", 3)),
     "k3ch128rot-v4lmtokrot": _r(t("uint", 3, ch(128)), t("lm", 4)),
     "k3ch64rot-v3tokrot-b64": _r(t("uint", 3, ch(64)), t("uint", 3), block_size=64, window=96),
+    # keys carry most of the error at 3 bits: spend the bits there, 2-bit values
+    "k4ch128rot-v2lmtokrot": _r(t("uint", 4, ch(128)), t("lm", 2)),
+    "k4ch128rot-v2tokrot": _r(t("uint", 4, ch(128)), t("uint", 2)),
+    "k4ch256rot-v2lmtokrot": _r(t("uint", 4, ch(256)), t("lm", 2), block_size=256),
+    "k4ch128rot-v3tokrot": _r(t("uint", 4, ch(128)), t("uint", 3)),
 }
 # ~2.5 average bits at 8k: 2-bit values, 2- or 3-bit keys
 CANDIDATES_25 = {
@@ -80,6 +85,7 @@ CANDIDATES_25 = {
     "k3lmch128rot-v2lmtokrot": _r(t("lm", 3, ch(128)), t("lm", 2)),
     "k3ch128rot-v2tokrot": _r(t("uint", 3, ch(128)), t("uint", 2)),
     "k3ch128rot-v2lmtokrot": _r(t("uint", 3, ch(128)), t("lm", 2)),
+    "k3ch256rot-v2lmtokrot": _r(t("uint", 3, ch(256)), t("lm", 2), block_size=256),
 }
 
 

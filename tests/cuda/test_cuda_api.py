@@ -9,7 +9,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-PRESETS = ["int8", "int4", "kivi-4", "kivi-2", "best-4", "best-2", "fp8"]
+PRESETS = ["int8", "int4", "kivi-4", "kivi-2", "best-4", "best-3", "best-2", "fp8"]
 
 
 def _history(preset, B=2, Hkv=2, T=640, D=64, device="cuda", seed=0):

@@ -28,7 +28,7 @@ TARGET = "lessmem.kernels.attention_triton:triton_attention"
 LAYOUTS = [(4, 1, 64, "zp", None), (4, 32, 1, "zp", None), (2, 32, 1, "zp", None), (2, 1, 32, "sym", None),
            (3, 64, 1, "zp", None), (3, 1, 16, "sym", None), (8, 1, 64, "sym", None), (8, 1, 64, "lut", None),
            (2, 16, 1, "lut", None), (4, 1, 16, "zp", "stream"), (1, 1, 64, "sym", None)]
-PRESETS = ["int8", "int4", "kivi-4", "kivi-2", "best-4", "best-2", "fp8"]
+PRESETS = ["int8", "int4", "kivi-4", "kivi-2", "best-4", "best-3", "best-2", "fp8"]
 
 
 def _side(g, B, H, T, D, bits, tg, dg, kind, packing=None):

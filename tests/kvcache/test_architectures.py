@@ -109,7 +109,7 @@ def test_fp16_preset_equals_dynamic_cache(arch, reference):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("preset", ["int8", "best-4"])
+@pytest.mark.parametrize("preset", ["int8", "best-4", "best-3"])
 def test_quantized_cache_tracks_dynamic_and_fused_equals_dequantized(arch, preset, reference):
     m = model_for(arch)
     ref = _ref(reference, arch)
@@ -119,8 +119,9 @@ def test_quantized_cache_tracks_dynamic_and_fused_equals_dequantized(arch, prese
     dec = slice(PREFILL, None)  # the decode steps read the quantized history
     lp, lr = got[:, dec].log_softmax(-1), ref[:, dec].log_softmax(-1)
     kld = (lr.exp() * (lr - lp)).sum(-1).mean().item()
-    # measured: int8 <= 1.3e-3 (Qwen2), best-4 <= 0.12 (Mixtral: a flipped expert choice moves a token)
-    assert kld < (5e-3 if preset == "int8" else 0.3), kld
+    # measured on these random models: int8 <= 1.3e-3 (Qwen2), best-4 <= 0.12 (Mixtral: a
+    # flipped expert choice moves a token), best-3 (2-bit values) <= 0.67 (Qwen2)
+    assert kld < {"int8": 5e-3, "best-4": 0.3, "best-3": 1.0}[preset], kld
     assert kld > 1e-7  # the history really was quantized (not all in the window)
     with enable(m):
         fused = run(m, KVCache(m.config, kv))

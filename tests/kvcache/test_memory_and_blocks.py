@@ -46,7 +46,7 @@ def _filled(preset):
     return _FILLED[preset]
 
 
-@pytest.mark.parametrize("preset", ["best-4", "kivi-2", "int8", "best-2"])
+@pytest.mark.parametrize("preset", ["best-4", "kivi-2", "int8", "best-2", "best-3"])
 def test_planner_matches_measured_bytes_smollm2(preset):
     mem = _filled(preset).memory()
     plan = kv_bytes(_Dims(), 4096, 1, PRESETS[preset].to_plan(preset))

@@ -42,7 +42,7 @@ def slices(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("preset", ["int4", "best-4", "best-2", "kivi-2"])
+@pytest.mark.parametrize("preset", ["int4", "best-4", "best-3", "best-2", "kivi-2"])
 def test_sliced_prefill_equals_reference(slices, preset):
     model = tiny("llama")
     ids = torch.randint(3, 250, (1, sum(CHUNKS)), generator=torch.Generator().manual_seed(4))

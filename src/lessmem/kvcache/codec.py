@@ -156,7 +156,8 @@ def encode(x: torch.Tensor, spec: KVTensorConfig, layout: KVLayout | None = None
         xg = xf.reshape(-1, dg)
     u, scale, zp = FORMATS[spec.format].quantize(xg, spec, lay)
     if tg > 1:
-        u = u.view(B, H, T // tg, D, tg).transpose(3, 4).reshape(B, H, T, D)
+        # contiguous: with one group (T == tg) reshape returns a strided view, not a copy
+        u = u.view(B, H, T // tg, D, tg).transpose(3, 4).reshape(B, H, T, D).contiguous()
     else:
         u = u.view(B, H, T, D)
     qshape = lay.part_shape("scale", B, H, T)

@@ -135,10 +135,11 @@ RAW: dict[str, KVPrecision] = {
 
 
 def _lessmem(name, kb, vb, kg=(1, None), vg=(1, None), zp=1.0, rot=False, window=128, sinks=4, block=32,
-             quality="lossy", desc=""):
+             quality="lossy", desc="", vzp=None):
     # lessmem.kvcache conventions: fp16 scales, uint8 zero points (asymmetric only), window
-    # and sinks in fp16, tokens leave the window in blocks.
-    return KVPrecision(name, kb, vb, kg[0], kg[1], vg[0], vg[1], 2.0, 2.0, zp, zp,
+    # and sinks in fp16, tokens leave the window in blocks. vzp: the values' zero-point bytes
+    # where they differ from the keys' (a codebook side has none).
+    return KVPrecision(name, kb, vb, kg[0], kg[1], vg[0], vg[1], 2.0, 2.0, zp, zp if vzp is None else vzp,
                        window=window, sinks=sinks, block=block, full_bytes=2.0, rotated=rot,
                        quality=quality, description=desc)
 
@@ -164,6 +165,8 @@ LESSMEM: dict[str, KVPrecision] = {
                  desc="int4 keys per channel (64 tokens) rotated, int4 values per token, window 96"),
         _lessmem("best-2", 3, 2, (64, 1), rot=True, window=96, block=64,
                  desc="3-bit rotated per-channel keys (64 tokens), 2-bit rotated values per token"),
+        _lessmem("best-3", 4, 2, (128, 1), rot=True, window=64, block=128, vzp=0.0,
+                 desc="int4 rotated per-channel keys (128 tokens), 2-bit Lloyd-Max rotated values per token"),
     )
 }
 
