@@ -120,8 +120,8 @@ def test_quantized_cache_tracks_dynamic_and_fused_equals_dequantized(arch, prese
     lp, lr = got[:, dec].log_softmax(-1), ref[:, dec].log_softmax(-1)
     kld = (lr.exp() * (lr - lp)).sum(-1).mean().item()
     # measured on these random models: int8 <= 1.3e-3 (Qwen2), best-4 <= 0.12 (Mixtral: a
-    # flipped expert choice moves a token), best-3 (2-bit values) <= 0.67 (Qwen2)
-    assert kld < {"int8": 5e-3, "best-4": 0.3, "best-3": 1.0}[preset], kld
+    # flipped expert choice moves a token), best-3 <= 0.29 (Qwen2)
+    assert kld < {"int8": 5e-3, "best-4": 0.3, "best-3": 0.6}[preset], kld
     assert kld > 1e-7  # the history really was quantized (not all in the window)
     with enable(m):
         fused = run(m, KVCache(m.config, kv))

@@ -165,8 +165,8 @@ LESSMEM: dict[str, KVPrecision] = {
                  desc="int4 keys per channel (64 tokens) rotated, int4 values per token, window 96"),
         _lessmem("best-2", 3, 2, (64, 1), rot=True, window=96, block=64,
                  desc="3-bit rotated per-channel keys (64 tokens), 2-bit rotated values per token"),
-        _lessmem("best-3", 4, 2, (128, 1), rot=True, window=64, block=128, vzp=0.0,
-                 desc="int4 rotated per-channel keys (128 tokens), 2-bit Lloyd-Max rotated values per token"),
+        _lessmem("best-3", 4, 3, (128, 1), rot=True, window=64, block=128, vzp=0.0,
+                 desc="int4 rotated per-channel keys (128 tokens), 3-bit Lloyd-Max rotated values per token"),
     )
 }
 
