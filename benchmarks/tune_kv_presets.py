@@ -102,6 +102,9 @@ def main(argv=None) -> int:
                    help="candidate groups, comma-separated: 4, 2, 35, 25, presets")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tuning.json")
     args = p.parse_args(argv)
+    bad = [g for g in args.which.split(",") if g not in ("4", "2", "35", "25", "presets")]
+    if bad:
+        p.error(f"--which {','.join(bad)}; allowed: 4, 2, 35, 25, presets (comma-separated)")
     import lessmem
     from lessmem.eval.caches import CacheSpec
     from lessmem.eval.perplexity import evaluate
@@ -110,18 +113,12 @@ def main(argv=None) -> int:
 
     model, tok = lessmem.load("smollm2-135m")
     text = TRAIN.read_text()
+    groups = {"4": CANDIDATES_4, "2": CANDIDATES_2, "35": CANDIDATES_35, "25": CANDIDATES_25,
+              "presets": {f"preset:{n}": PRESETS[n] for n in ("int8", "fp8", "kivi-4", "kivi-2", "best-4",
+                                                              "best-2")}}
     cands = {}
-    if "4" in args.which.split(","):
-        cands.update(CANDIDATES_4)
-    if "2" in args.which.split(","):
-        cands.update(CANDIDATES_2)
-    if "35" in args.which.split(","):
-        cands.update(CANDIDATES_35)
-    if "25" in args.which.split(","):
-        cands.update(CANDIDATES_25)
-    if "presets" in args.which.split(","):
-        cands.update({f"preset:{n}": PRESETS[n] for n in ("int8", "fp8", "kivi-4", "kivi-2", "best-4",
-                                                            "best-2")})
+    for g in args.which.split(","):
+        cands.update(groups[g])
     def factory(kv):
         return lambda model_config: KVCache(model_config, kv)
 

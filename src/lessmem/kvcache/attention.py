@@ -37,18 +37,18 @@ def lessmem_attention(module, query, key, value, attention_mask, dropout: float 
                       scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function: fused path for lessmem layer views, SDPA otherwise."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    softcap = kwargs.get("softcap")
-    if softcap is not None:  # Gemma-2's attn_logit_softcapping: SDPA cannot apply it
-        if hasattr(key, "attend"):
-            if not hasattr(key, "materialize"):
-                raise ValueError("softcap (attention logit soft-capping, e.g. Gemma-2) is not supported "
-                                 f"by {type(key).__name__}; allowed: a model without softcap, or a "
-                                 "lessmem KVCache (its layer views dequantize for soft-capped attention)")
-            key, value = key.materialize()
-        return _softcapped(query, key, value, attention_mask, scale, float(softcap)), None
+    softcap = kwargs.get("softcap")  # Gemma-2's attn_logit_softcapping: SDPA cannot apply it
     if hasattr(key, "attend"):  # a LayerView, or any view of that protocol (the serving engine's batch view)
-        out = key.attend(query, attention_mask, scale)  # [B, Hq, Tq, D]
-        return out.transpose(1, 2).contiguous(), None
+        if softcap is None:
+            out = key.attend(query, attention_mask, scale)  # [B, Hq, Tq, D]
+            return out.transpose(1, 2).contiguous(), None
+        if not hasattr(key, "materialize"):
+            raise ValueError("softcap (attention logit soft-capping, e.g. Gemma-2) is not supported "
+                             f"by {type(key).__name__}; allowed: a model without softcap, or a "
+                             "lessmem KVCache (its layer views dequantize for soft-capped attention)")
+        key, value = key.materialize()
+    if softcap is not None:
+        return _softcapped(query, key, value, attention_mask, scale, float(softcap)), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

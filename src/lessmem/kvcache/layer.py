@@ -185,9 +185,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         h = self.history
         if h is None:
             return None
-        memo = self.__dict__.get("_read")
-        if memo is not None and memo[0] is h:
-            return memo[1]
+        if self._read is not None and self._read[0] is h:
+            return self._read[1]
         D = self.head_dim
         kv = QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
                      _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))

@@ -113,6 +113,25 @@ def _rot_matrix(rot, device) -> torch.Tensor:
     return cache[device]
 
 
+def attend_decode_rows(views: list, q_f: torch.Tensor) -> torch.Tensor | None:
+    """Decode rows, one query token each, over their own views' histories: ``q_f`` [R, Hq, D]
+    float32, already scaled, row r against ``views[r]`` (all rotated like ``views[0]``).
+    One C++ call reads every history and every full-precision piece (sinks, window, current
+    token) in place, as stored (fp16 or fp32): nothing is concatenated or cast. Rotation
+    is applied per row (``bmm``), so a row's result does not depend on the others.
+    Returns [R, Hq, D] float32, or None without the C++ kernel."""
+    R, _, D = q_f.shape
+    rot_k, rot_v = views[0].rot_k, views[0].rot_v
+    q_h = torch.bmm(q_f, _rot_matrix(rot_k, q_f.device).expand(R, D, D)) if rot_k is not None else q_f
+    res = fused_attention_batch(q_h, q_f, [v.history for v in views], [v.fp_pieces() for v in views])
+    if res is None:
+        return None
+    out_h, out_f = res
+    if rot_v is not None:
+        out_h = torch.bmm(out_h, _rot_matrix(rot_v, q_f.device).T.expand(R, D, D))
+    return out_f + out_h
+
+
 @dataclass
 class LayerView:
     """Snapshot of one layer for one attention call (see module doc)."""
@@ -186,22 +205,16 @@ class LayerView:
             out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
         return out_f + out_h
 
+    def fp_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The non-empty full-precision (keys, values) pieces in order: sinks, window, current."""
+        return [p for p in (self.sinks, self.window, self.current) if p is not None and p[0].shape[2]]
+
     def _attend_row(self, q, scaling):
-        """One decode row (batch 1, one query token, no mask): one C++ call reads the
-        history and every full-precision piece (sinks, window, current token) in place, as
-        stored (fp16 or fp32): nothing is concatenated or cast per step. None without the
-        C++ kernel."""
+        """One decode row (batch 1, one query token, no mask) through :func:`attend_decode_rows`;
+        None without the C++ kernel."""
         Hq, D = q.shape[1], q.shape[3]
-        q_f = q.reshape(1, Hq, D).float() * scaling
-        q_h = q_f @ _rot_matrix(self.rot_k, q.device) if self.rot_k is not None else q_f
-        pieces = [p for p in (self.sinks, self.window, self.current) if p is not None and p[0].shape[2]]
-        res = fused_attention_batch(q_h, q_f, [self.history], [pieces])
-        if res is None:
-            return None
-        out_h, out_f = res
-        if self.rot_v is not None:
-            out_h = out_h @ _rot_matrix(self.rot_v, q.device).T
-        return (out_f + out_h).reshape(1, Hq, 1, D).to(q.dtype)
+        out = attend_decode_rows([self], q.reshape(1, Hq, D).float() * scaling)
+        return None if out is None else out.reshape(1, Hq, 1, D).to(q.dtype)
 
     def _history_slices(self):
         """The history as ``(keys, values)`` :class:`QuantSide` pieces of at most

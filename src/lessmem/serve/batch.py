@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..kernels.attention import fused_attention_batch
-from ..kvcache.view import LayerView, _rot_matrix
+from ..kvcache.view import LayerView, attend_decode_rows
 
 TILE = 16  # decode rows per matmul when batch invariance is on
 
@@ -72,20 +71,10 @@ class BatchView:
 
     def _decode_rows(self, q: torch.Tensor, rows: list[int], scaling: float):
         """[1, Hq, R, D] for the decode rows ``rows`` (segment indices), or None."""
-        views = [self.views[i] for i in rows]
         idx = torch.tensor([self.segments[i].start for i in rows], device=q.device)
         q_f = (q[0].index_select(1, idx).transpose(0, 1).float() * scaling).contiguous()  # [R, Hq, D]
-        R, _, D = q_f.shape
-        rot_k, rot_v = views[0].rot_k, views[0].rot_v
-        q_h = torch.bmm(q_f, _rot_matrix(rot_k, q.device).expand(R, D, D)) if rot_k is not None else q_f
-        pieces = [[p for p in (v.sinks, v.window, v.current) if p is not None and p[0].shape[2]] for v in views]
-        res = fused_attention_batch(q_h, q_f, [v.history for v in views], pieces)
-        if res is None:
-            return None
-        out_h, out_f = res
-        if rot_v is not None:
-            out_h = torch.bmm(out_h, _rot_matrix(rot_v, q.device).T.expand(R, D, D))
-        return (out_f + out_h).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        out = attend_decode_rows([self.views[i] for i in rows], q_f)
+        return None if out is None else out.transpose(0, 1).unsqueeze(0).to(q.dtype)
 
     def attend(self, q: torch.Tensor, mask, scaling: float) -> torch.Tensor:
         rows = self._batchable()
