@@ -7,11 +7,14 @@ registered buffer ``qweight`` — uint8 ``[N, K / block_size * type_size]``, the
 ``nbytes`` is ``N · K · bpw / 8`` (+ bias): Q4_0 4.5 bits per weight, Q4_K 4.5, Q6_K
 6.5625, Q8_0 8.5, against 32 for the float layer.
 
-Forward: up to ``FUSED_MAX_ROWS`` input rows (decoding) go through the fused C++ kernel
-``kernels.gguf_linear_cpp.gguf_linear`` (blocks decoded in registers, no float matrix);
-more rows (prefill) decode the weight once (bit-identical to
-``formats.gguf.dequantize_gguf``) and use BLAS, then drop it. Without a compiler, or with
-the layer on another device, both run the torch fallback ``kernels.gguf_linear_torch``.
+Forward: up to ``FUSED_MAX_ROWS`` input rows (decoding) go through the op
+``torch.ops.lessmem.gguf_linear`` (``kernels.linear_ops``): on CPU tensors the fused C++
+kernel ``kernels.gguf_linear_cpp.gguf_linear`` (blocks decoded in registers, no float
+matrix), on CUDA the Triton kernel ``kernels.gguf_linear_triton``; more rows (prefill)
+decode the weight once (``torch.ops.lessmem.gguf_dequantize``, bit-identical to
+``formats.gguf.dequantize_gguf``) and use BLAS, then drop it. Without a compiler, on
+another device, or for a type the Triton kernel does not take, the torch fallback
+``kernels.gguf_linear_torch`` runs (after one warning where a faster kernel was expected).
 
 Example:
     >>> import torch
@@ -34,9 +37,12 @@ from torch import nn
 
 from ..formats.gguf import quantize_gguf
 from ..kernels import gguf_linear_cpp as kernel
+from ..kernels import linear_ops  # noqa: F401  (registers torch.ops.lessmem.gguf_linear)
 from .qlinear import FUSED_MAX_ROWS, held_nbytes  # FUSED_MAX_ROWS: above it, decode once + BLAS
 from .rtn import check_size
 
+_GGUF = torch.ops.lessmem.gguf_linear.default  # by overload: less dispatch per call
+_DEQUANT = torch.ops.lessmem.gguf_dequantize.default
 DECODE_WEIGHTS_MAX = 1 << 22  # prefill decodes at most this many weights (16 MB of floats) at once
 
 
@@ -116,7 +122,7 @@ class GGUFLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """float32 ``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf`` (a new tensor)."""
-        return kernel.gguf_dequantize(self.qweight, self._type, self.out_features, self.in_features)
+        return _DEQUANT(self.qweight, self._type.ggml_id, self.out_features, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -129,10 +135,9 @@ class GGUFLinear(nn.Module):
             raise ValueError(f"input has {x.shape[-1]} features; this layer takes {self.in_features}")
         if x.numel() > FUSED_MAX_ROWS * self.in_features:  # prefill: decode, BLAS
             return self._decoded_matmul(x)
-        # qweight's shape was checked against [out, in] when it was set; bias added in C++
-        if self.int8_activations and self._type.name in kernel.Q8_TYPES:
-            return kernel.gguf_linear_q8_prechecked(x, self.qweight, self._type, self.out_features, self.bias)
-        return kernel.gguf_linear_prechecked(x, self.qweight, self._type, self.out_features, self.bias)
+        # the op (kernels.linear_ops): CPU C++, CUDA Triton, the bias added inside
+        return _GGUF(x, self.qweight, self._type.ggml_id, self.out_features, self.bias,
+                     self.int8_activations)
 
     def _decoded_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Many rows: decode the weight and use BLAS, ``DECODE_ROWS_MAX`` output rows of it at a
@@ -145,7 +150,7 @@ class GGUFLinear(nn.Module):
         y = xf.new_empty(*x.shape[:-1], self.out_features)
         for n0 in range(0, self.out_features, step):
             n1 = min(n0 + step, self.out_features)
-            w = kernel.gguf_dequantize(self.qweight[n0:n1], self._type, n1 - n0, self.in_features)
+            w = _DEQUANT(self.qweight[n0:n1], self._type.ggml_id, n1 - n0, self.in_features)
             y[..., n0:n1] = F.linear(xf, w, None if bias is None else bias[n0:n1])
         return y.to(x.dtype)
 

@@ -14,8 +14,14 @@ Layouts held (``N = out_features``, ``K = in_features``, ``G = K / group_size``)
   with ``act_bits=8`` (SmoothQuant W8A8) activations are quantized per token on the fly
   (x_q = round(x / s_x), s_x = max|x_token| / 127) and the int8·int8 kernel sums in int32.
 
-Without a compiler, or with the layer on another device, the C++ kernels' calls run their
-torch fallbacks (``kernels.linear_torch``: the same math on the tensors' own device).
+The kernels are torch ops (``torch.ops.lessmem.lowbit_linear`` / ``int8_linear`` /
+``w8a8_linear``, ``kernels.linear_ops``): on CPU tensors the C++ kernels above, on CUDA the
+Triton kernels (``kernels.linear_triton``: float activations, no 16-bit rounding), elsewhere
+(or without a compiler / triton) the torch fallbacks (``kernels.linear_torch``: the same math
+on the tensors' own device) after one warning. ``int4pack`` is a CPU op's packing: moving
+the layer off the CPU (``.to("cuda")``) re-holds its codes in the ``packed`` layout with
+the same bf16 scales, and quantizing a layer whose weight is already off the CPU never
+picks it.
 
 ``nbytes`` counts every tensor held (codes, scales, zero points, bias): the kernels read the
 held tensors directly, so there are no derived copies to go stale after ``load_state_dict``.
@@ -42,10 +48,17 @@ from torch import nn
 
 from ..formats.packing import pack_bits, unpack_bits
 from ..kernels import int4_linear as i4
-from ..kernels import linear_cpp
+from ..kernels import (
+    linear_cpp,
+    linear_ops,  # noqa: F401  (registers torch.ops.lessmem.*_linear)
+)
 from .rtn import QuantizedWeight, check_group_size, check_size, rtn_quantize
 
 FUSED_MAX_ROWS = 16  # above this many rows, dequantize once and use BLAS (compute-bound)
+# the ops (kernels.linear_ops) by their overloads: the dispatcher picks CPU C++ or CUDA Triton
+_LOWBIT = torch.ops.lessmem.lowbit_linear.default
+_INT8 = torch.ops.lessmem.int8_linear.default
+_W8A8 = torch.ops.lessmem.w8a8_linear.default
 
 
 def held_nbytes(module: nn.Module) -> int:
@@ -99,7 +112,9 @@ class QuantLinear(nn.Module):
         qw = rtn_quantize(lin.weight, bits, group_size, symmetric)
         return cls.from_quantized(qw, lin.bias, act_bits)
 
-    def _set_codes(self, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    def _set_codes(self, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, portable: bool = False):
+        """Hold codes ``u [N, K]`` in the runtime layout; ``portable`` (or codes off the CPU)
+        never picks ``int4pack``, whose packing only torch's CPU op reads."""
         n, k = self.out_features, self.in_features
         for name in ("qweight", "int4pack", "scale", "zero_point", "int4_sz"):
             if hasattr(self, name):
@@ -110,7 +125,7 @@ class QuantLinear(nn.Module):
             self.layout = "int8"
             self.register_buffer("qweight", (u.to(torch.int16) - 128).to(torch.int8).contiguous())
             self.register_buffer("scale", scale)
-        elif self.bits == 4 and i4.supported(n, k, self.group_size):
+        elif self.bits == 4 and not portable and u.device.type == "cpu" and i4.supported(n, k, self.group_size):
             self.layout = "int4pack"
             # only the op's tensors are held; scale and zero point are derived back on export.
             # Both are copied once the op's workspace is freed: the op's own outputs sit between
@@ -183,9 +198,9 @@ class QuantLinear(nn.Module):
         dtype = x.dtype
         rows = x.numel() // self.in_features
         if self.layout == "packed" and rows <= FUSED_MAX_ROWS and self._fused:
-            # the kernel adds the bias; its tensors were validated when they were set
-            y = linear_cpp.lowbit_linear_unchecked(x, self.qweight, self.bits, self.scale,
-                                                   self.zero_point, self.group_size, self.bias)
+            # the op adds the bias; CPU: C++, CUDA: Triton (kernels.linear_ops)
+            y = _LOWBIT(x, self.qweight, self.bits, self.scale, self.zero_point, self.group_size,
+                                   self.bias)
             return y if dtype == torch.float32 else y.to(dtype)
         if self.act_bits == 8:
             y = self._forward_w8a8(x)
@@ -194,7 +209,7 @@ class QuantLinear(nn.Module):
         elif rows > FUSED_MAX_ROWS or self.layout == "packed":
             y = F.linear(x.float(), self.dequantized_weight())
         else:
-            y = linear_cpp.int8_linear(x, self.qweight, self.scale.view(-1))
+            y = _INT8(x, self.qweight, self.scale.view(-1))
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype)
@@ -207,13 +222,17 @@ class QuantLinear(nn.Module):
             sw = self.scale.float().view(-1)
             y = (xq.float() @ self.qweight.float().T) * sx[:, None] * sw[None, :]
         else:
-            y = linear_cpp.w8a8_linear(xq, sx, self.qweight, self.scale.view(-1))
+            y = _W8A8(xq, sx, self.qweight, self.scale.view(-1))
         return y.view(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)`` moves the codes and scales; ``.to(dtype)``/``.half()`` leave the
         stored formats alone (fp16 scales, bf16 int4pack scales): they are part of the
         quantized format, not of the model's compute dtype."""
+        if self.layout == "int4pack" and fn(torch.empty(0)).device.type != "cpu":
+            # the op's packing is CPU-only: off the CPU the codes are held packed row-major,
+            # with the bf16 scales the op used (exact in fp16) and their zero points
+            self._set_codes(self.codes(), self.scales(), self.zero(), portable=True)
         held = {n: b.dtype for n, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
         for n, dt in held.items():

@@ -479,3 +479,56 @@ torch::Tensor gguf_dequantize(torch::Tensor w, int64_t type, int64_t N, int64_t 
   DISPATCH(dequant_impl, w.data_ptr<uint8_t>(), out.data_ptr<float>(), N, K)
   return out;
 }
+
+// ---------------------------------------------------------------- the op's CPU backend
+// torch.ops.lessmem.gguf_linear / gguf_dequantize (schemas: kernels/linear_ops.py) dispatch
+// here for CPU tensors without a Python frame. Arguments are checked first; a bad one is
+// a ValueError naming it and what is allowed (the kernels above read buffers unchecked).
+#include <torch/library.h>
+
+static void traits_of(int64_t type, int64_t& qk, int64_t& ts) {
+  switch (type) {
+    case Q4_0: qk = 32; ts = 18; break; case Q4_1: qk = 32; ts = 20; break;
+    case Q5_0: qk = 32; ts = 22; break; case Q5_1: qk = 32; ts = 24; break;
+    case Q8_0: qk = 32; ts = 34; break; case Q2_K: qk = 256; ts = 84; break;
+    case Q3_K: qk = 256; ts = 110; break; case Q4_K: qk = 256; ts = 144; break;
+    case Q5_K: qk = 256; ts = 176; break; case Q6_K: qk = 256; ts = 210; break;
+    default: TORCH_CHECK_VALUE(false, "GGUF type ", type, " is not supported; allowed: the ggml ids 2 (Q4_0), "
+                               "3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), "
+                               "13 (Q5_K), 14 (Q6_K)");
+  }
+}
+
+static void check_raw(const torch::Tensor& raw, int64_t type, int64_t N, int64_t K, const char* op) {
+  int64_t qk, ts;
+  traits_of(type, qk, ts);
+  TORCH_CHECK_VALUE(raw.scalar_type() == torch::kUInt8, op, ": raw dtype ", raw.scalar_type(), "; allowed: uint8");
+  TORCH_CHECK_VALUE(N > 0 && K > 0 && K % qk == 0 && raw.numel() == N * (K / qk) * ts, op, ": raw holds ",
+                    raw.numel(), " bytes for ", K, " input features; allowed: in_features a multiple of ", qk,
+                    " and [", N, ", ", K, "] = ", (K > 0 && K % qk == 0 ? N * (K / qk) * ts : -1), " bytes");
+}
+
+static torch::Tensor op_gguf_linear(const torch::Tensor& x, const torch::Tensor& raw, int64_t type, int64_t N,
+                                    const std::optional<torch::Tensor>& bias, bool int8_activations) {
+  TORCH_CHECK_VALUE(x.is_floating_point(), "gguf_linear: x dtype ", x.scalar_type(), "; allowed: a float dtype");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "gguf_linear: x must have a feature dimension");
+  check_raw(raw, type, N, x.size(-1), "gguf_linear");
+  torch::Tensor b = torch::empty({0}, torch::dtype(torch::kFloat32));
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->numel() == N, "gguf_linear: bias has ", bias->numel(),
+                      " values; allowed: None or out_features = ", N);
+    b = bias->to(torch::kFloat32).contiguous();
+  }
+  if (int8_activations && gguf_q8_supported(type)) return gguf_linear_q8(x, raw, type, N, b);
+  return gguf_linear(x, raw, type, N, b);
+}
+
+static torch::Tensor op_gguf_dequantize(const torch::Tensor& raw, int64_t type, int64_t N, int64_t K) {
+  check_raw(raw, type, N, K, "gguf_dequantize");
+  return gguf_dequantize(raw, type, N, K);
+}
+
+TORCH_LIBRARY_IMPL(lessmem, CPU, m) {
+  m.impl("gguf_linear", &op_gguf_linear);
+  m.impl("gguf_dequantize", &op_gguf_dequantize);
+}

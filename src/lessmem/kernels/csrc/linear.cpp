@@ -405,3 +405,82 @@ int64_t simd_build() {
   return 0;
 #endif
 }
+
+// ---------------------------------------------------------------- the ops' CPU backends
+// torch.ops.lessmem.lowbit_linear / int8_linear / w8a8_linear (schemas: kernels/linear_ops.py)
+// dispatch here for CPU tensors without a Python frame. Arguments are checked first; a bad
+// one is a ValueError naming it and what is allowed (the kernels above read unchecked).
+// Builds with a kernel variant forced (the tests' -DLESSMEM_NO_* builds) register nothing:
+// the ops keep the default build's kernels.
+#if !defined(LESSMEM_NO_SIMD) && !defined(LESSMEM_NO_VNNI) && !defined(LESSMEM_NO_VBMI)
+#include <torch/library.h>
+
+#define CHECK_DTYPE(op, name, t, want) TORCH_CHECK_VALUE((t).scalar_type() == (want), op ": " name " dtype ", \
+                                                         (t).scalar_type(), "; allowed: ", (want))
+
+static std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
+  auto s = x.sizes().vec();
+  s.back() = N;
+  return s;
+}
+
+static torch::Tensor op_lowbit_linear(const torch::Tensor& x, const torch::Tensor& codes, int64_t bits,
+                                      const torch::Tensor& scale, const torch::Tensor& zero, int64_t group_size,
+                                      const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK_VALUE(bits >= 2 && bits <= 4, "lowbit_linear: bits=", bits, "; allowed: 2, 3, 4");
+  TORCH_CHECK_VALUE(x.is_floating_point() && x.dim() >= 1, "lowbit_linear: x dtype ", x.scalar_type(),
+                    "; allowed: a float dtype");
+  CHECK_DTYPE("lowbit_linear", "scale", scale, torch::kHalf);
+  CHECK_DTYPE("lowbit_linear", "zero", zero, torch::kUInt8);
+  CHECK_DTYPE("lowbit_linear", "codes", codes, torch::kUInt8);
+  TORCH_CHECK_VALUE(scale.dim() == 2 && zero.sizes() == scale.sizes(), "lowbit_linear: scale ", scale.sizes(),
+                    " / zero ", zero.sizes(), "; allowed: both [N, G]");
+  const int64_t N = scale.size(0), K = scale.size(1) * group_size;
+  TORCH_CHECK_VALUE(x.size(-1) == K && group_size > 0 && group_size % 32 == 0 && group_size <= 32768,
+                    "lowbit_linear: x has ", x.size(-1), " input features with group_size=", group_size, " and ",
+                    scale.size(1), " groups per row; allowed: in_features = groups x group_size = ", K,
+                    ", group_size a multiple of 32, at most 32768");
+  TORCH_CHECK_VALUE(codes.numel() == N * K * bits / 8, "lowbit_linear: codes hold ", codes.numel(),
+                    " bytes; allowed: N x K x bits / 8 = ", N * K * bits / 8);
+  torch::Tensor b = torch::empty({0}, torch::dtype(torch::kFloat32));
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->numel() == N, "lowbit_linear: bias has ", bias->numel(),
+                      " values; allowed: None or out_features = ", N);
+    b = bias->to(torch::kFloat32);
+  }
+  auto y = lowbit_linear(x.reshape({-1, K}).to(torch::kFloat32), codes, bits, scale, zero, group_size, b);
+  return y.view(out_shape(x, N));
+}
+
+static torch::Tensor op_int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
+  TORCH_CHECK_VALUE(x.is_floating_point() && x.dim() >= 1, "int8_linear: x dtype ", x.scalar_type(),
+                    "; allowed: a float dtype");
+  CHECK_DTYPE("int8_linear", "w", w, torch::kInt8);
+  CHECK_DTYPE("int8_linear", "scale", scale, torch::kHalf);
+  TORCH_CHECK_VALUE(w.dim() == 2 && x.size(-1) == w.size(1), "int8_linear: x has ", x.size(-1),
+                    " input features; allowed: ", w.size(-1), " (w is ", w.sizes(), ")");
+  TORCH_CHECK_VALUE(scale.numel() == w.size(0), "int8_linear: scale has ", scale.numel(),
+                    " values; allowed: one per output row (", w.size(0), ")");
+  auto y = int8_linear(x.reshape({-1, w.size(1)}).to(torch::kFloat32), w, scale.reshape({-1}));
+  return y.view(out_shape(x, w.size(0)));
+}
+
+static torch::Tensor op_w8a8_linear(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& w,
+                                    const torch::Tensor& scale) {
+  CHECK_DTYPE("w8a8_linear", "xq", xq, torch::kInt8);
+  CHECK_DTYPE("w8a8_linear", "w", w, torch::kInt8);
+  CHECK_DTYPE("w8a8_linear", "scale", scale, torch::kHalf);
+  TORCH_CHECK_VALUE(xq.dim() == 2 && w.dim() == 2 && xq.size(1) == w.size(1), "w8a8_linear: xq ", xq.sizes(),
+                    " and w ", w.sizes(), "; allowed: [M, K] and [N, K]");
+  TORCH_CHECK_VALUE(sx.numel() == xq.size(0) && scale.numel() == w.size(0), "w8a8_linear: sx has ", sx.numel(),
+                    " and scale ", scale.numel(), " values; allowed: ", xq.size(0), " (one per row of xq) and ",
+                    w.size(0), " (one per row of w)");
+  return w8a8_linear(xq, sx.to(torch::kFloat32), w, scale.reshape({-1}));
+}
+
+TORCH_LIBRARY_IMPL(lessmem, CPU, m) {
+  m.impl("lowbit_linear", &op_lowbit_linear);
+  m.impl("int8_linear", &op_int8_linear);
+  m.impl("w8a8_linear", &op_w8a8_linear);
+}
+#endif
