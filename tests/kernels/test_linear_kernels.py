@@ -2,6 +2,8 @@
 in float64): each test runs the C++ kernels and, with ``_mod`` patched to None (no compiler),
 the torch fallbacks of ``linear_torch`` that ``linear_cpp`` then calls."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from _cases import lowbit_case as _lowbit_case
@@ -206,7 +208,7 @@ def test_int4_unpack_inverts_pack(n, k):
     assert torch.equal(i4.unpack_int4(i4.pack_int4(u), n, k), u)
 
 
-def test_cpp_sources_ship_with_the_package():
+def test_cpp_sources_ship_with_the_package(monkeypatch):
     """The kernels' C++ is read from lessmem/kernels/csrc (package data), every exported
     function is defined there, and the build key follows the text of the file."""
     from lessmem.kernels import _build, gguf_linear_cpp
@@ -220,6 +222,11 @@ def test_cpp_sources_ship_with_the_package():
     assert key == _build.build_key(src) and len(key) == 12
     assert _build.build_key(src + "\n// edited\n") != key
     assert _build.build_key(src, ["-DLESSMEM_NO_SIMD"]) != key
+    cpu = _build.host_cpu()
+    assert cpu and ("flags" in cpu or "Features" in cpu or not Path("/proc/cpuinfo").exists())
+    # a cache dir shared with a machine whose CPU lacks an instruction must not load its build
+    monkeypatch.setattr(_build, "host_cpu", lambda: cpu.replace("avx2", "").replace("avx512", "") + " other")
+    assert _build.build_key(src) != key
 
 
 def test_missing_cpp_source_falls_back_with_a_warning():

@@ -6,7 +6,8 @@ and hands it to ``load_cpp``; another package can keep its own ``csrc/`` folder 
 ``package=`` (e.g. ``load_cpp_file(..., package="lessmem.offload")`` reads
 ``lessmem/offload/csrc/<filename>``).
 
-``load_cpp(name, source)`` compiles ``source`` once per (source, torch version, flags) into
+``load_cpp(name, source)`` compiles ``source`` once per (source, torch version, flags, host
+CPU model and features) into
 ``$LESSMEM_CACHE/kernels/<name>-<hash>`` and returns the module, or ``None`` (with a
 warning, once) when no compiler or ninja is available, so callers fall back to torch.
 The hash is taken over the source text itself (``build_key``), so editing a ``.cpp`` file
@@ -51,12 +52,38 @@ def cpp_source(filename: str, package: str = "lessmem.kernels") -> str:
                                 "(installed without its package data?)") from exc
 
 
+@functools.lru_cache(maxsize=1)
+def host_cpu() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux's
+    ``/proc/cpuinfo``), else the platform's machine and processor names. Part of every
+    build key, so a cache directory shared by machines with other CPUs (an NFS home, a
+    container image built elsewhere) never loads a binary using instructions this CPU lacks."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            info = {}
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "model name", "flags", "Features", "CPU implementer", "CPU part"):
+                    info.setdefault(key, value.strip())
+                elif not line.strip() and info:
+                    break  # the first processor's block is enough: the others are the same CPU
+        if info:
+            return " | ".join(f"{k}: {v}" for k, v in sorted(info.items()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
 def build_key(source: str, extra_cflags: list[str] | None = None,
               extra_ldflags: list[str] | None = None) -> str:
-    """12 hex digits naming one build: changes with the source, torch version and flags."""
+    """12 hex digits naming one build: changes with the source, torch version, flags and the
+    host CPU (``host_cpu``: the build uses ``-march=native``)."""
     import torch
 
-    text = source + torch.__version__ + str(extra_cflags) + str(extra_ldflags or "")
+    text = source + torch.__version__ + str(extra_cflags) + str(extra_ldflags or "") + host_cpu()
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
