@@ -51,6 +51,22 @@ def test_prefetch_lateness_is_recorded():
         Prefetcher("always", [])
 
 
+def test_auto_prefetch_gathers_on_a_gpu_and_staging_passes_device_blocks_through(monkeypatch):
+    from lessmem.kvcache.tiered import prefetch as pf
+    from lessmem.kvcache.tiered.staging import CudaStager
+
+    monkeypatch.setattr(pf, "usable_cores", lambda: torch.get_num_threads())  # no spare core
+    assert Prefetcher(True, []).mode == "hint"
+    assert Prefetcher(True, [], "cpu").mode == "hint"
+    assert Prefetcher(True, [], "cuda").mode == "gather"  # the copy engine moves, the thread issues
+    assert Prefetcher(False, [], "cuda").mode is None
+    # blocks already on the device: no stream, no event, the same tensors
+    parts = [{"k_codes": torch.zeros(1, 2, 4, 8, dtype=torch.uint8)}]
+    staged = CudaStager().stage(parts, torch.device("cpu"))
+    got = staged.ready()
+    assert got is parts and got[0]["k_codes"] is parts[0]["k_codes"]
+
+
 def test_caches_sharing_one_budget_stay_within_it_together(tmp_path):
     m = _gen.model()
     enable(m)

@@ -96,7 +96,7 @@ class TieredKVCache(KVCache):
         self.store = BlockStore(_lower_tiers(tiers), write_policy, model_id,
                                 {**kv_config.to_dict(), "block_tokens": block_tokens}, block_tokens,
                                 kv_config.sinks)
-        self.prefetcher = Prefetcher(prefetch, self.store.lower)
+        self.prefetcher = Prefetcher(prefetch, self.store.lower, self.store.device_tier.device.type)
         self.budget = budget
         self.account = budget.open(self.store.device_tier, self.prefetcher.enabled,
                                    in_flight=self.prefetcher.in_flight_bytes)

@@ -11,7 +11,8 @@ Two ways, chosen by ``prefetch=``:
   hides the disk's latency and costs the decoding thread neither a Python thread nor
   the GIL); the decoding thread then reads and checks each layer's blocks itself.
 - ``True`` / ``"auto"`` picks "gather" when the process has a core that torch's threads
-  leave free or a tier is remote, else "hint" (with every core computing, a background
+  leave free, a tier is remote, or the device is a GPU (the copies up run on a side CUDA
+  stream while the previous layer computes: ``staging``), else "hint" (with every core computing, a background
   copy and checksum only take time from the model: on 2 cores, no gain, a few % lost).
 - ``False`` / ``None``: no reading ahead.
 
@@ -78,12 +79,14 @@ def check_prefetch(prefetch) -> None:
 
 class Prefetcher:
     """Reads ahead for one cache (see the module doc). ``lower``: the tiers below the
-    device (hints go to them; a remote one makes "auto" gather)."""
+    device (hints go to them; a remote one makes "auto" gather); ``device_type``: the
+    device tier's ("cuda" makes "auto" gather)."""
 
-    def __init__(self, prefetch, lower: list):
+    def __init__(self, prefetch, lower: list, device_type: str | None = None):
         check_prefetch(prefetch)
         self.requested = "auto" if prefetch is True else (prefetch or None)
         self.lower = lower
+        self.device_type = device_type
         self.stats = PrefetchStats()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # started on the first gather
@@ -100,7 +103,8 @@ class Prefetcher:
         """What it does now: "gather", "hint" or None."""
         if self.requested != "auto":
             return self.requested
-        if usable_cores() > torch.get_num_threads() or any(t.kind == "remote" for t in self.lower):
+        if (usable_cores() > torch.get_num_threads() or any(t.kind == "remote" for t in self.lower)
+                or self.device_type == "cuda"):  # on CUDA the copy engine moves, the thread only issues
             return "gather"  # (asked at each read: the affinity and threads may change)
         return "hint"
 

@@ -13,6 +13,7 @@ import torch
 from .blocks import BlockStore, to_device
 from .budget import BudgetAccount
 from .prefetch import Prefetcher
+from .staging import CudaStager, Staged
 
 
 class HistoryReader:
@@ -21,14 +22,21 @@ class HistoryReader:
     def __init__(self, store: BlockStore, account: BudgetAccount, prefetcher: Prefetcher):
         self.store, self.account, self.prefetcher = store, account, prefetcher
         self.layers: list = []  # the tiered layers, in order (the next one is read ahead)
+        self.stager: CudaStager | None = None  # made at the first read of a CUDA layer
 
     def attach(self, tiered_layers: list) -> None:
         self.layers = list(tiered_layers)
 
-    def gather(self, layer, keys: list[str], pending, threads: int = 1) -> list[dict]:
+    def gather(self, layer, keys: list[str], pending, threads: int = 1):
         """``layer``'s blocks of ``keys`` in order, then ``pending`` (its partial block, if
-        any), on the layer's device (``threads``: cores the reads may use)."""
+        any), on the layer's device (``threads``: cores the reads may use). On CUDA the
+        copies up from lower tiers are issued on a side stream (``staging.CudaStager``) and
+        a ``Staged`` is returned: ``read`` makes the compute stream wait for it."""
         parts = self.store.gather(keys, threads) + layer.pending_parts(pending)
+        if layer.device.type == "cuda":
+            if self.stager is None:
+                self.stager = CudaStager()
+            return self.stager.stage(parts, layer.device)
         return to_device(parts, layer.device)
 
     def read(self, layer) -> list[dict]:
@@ -38,6 +46,8 @@ class HistoryReader:
         self.account.staged = 0  # the previous layer's gathered history is no longer used
         if hist is None:  # on the decoding thread, between the model's parallel ops: all its cores
             hist = self.gather(layer, layer.visible_keys(), layer.pending, torch.get_num_threads())
+        if isinstance(hist, Staged):  # CUDA: the compute stream waits for the copies (no host sync)
+            hist = hist.ready()
         resident = self.account.resident()
         self.account.rebalance(resident)
         # held beside the device tier: the blocks read from lower tiers, and any block the
