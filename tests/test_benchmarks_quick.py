@@ -374,6 +374,60 @@ def check_e2e(data: dict, fresh: bool) -> None:
     assert need(t, "rss_rule_met", bool, "targets") == (t["rss_rule_max_ratio"] <= 1.2)
 
 
+def check_gpu(data: dict, fresh: bool) -> None:
+    """bench_gpu: a fresh (CPU, --quick) run must have every row; a recorded GPU run may
+    carry a row's error (it records what failed rather than stopping), but not a wrong number."""
+    h = check_header(data)
+    peak = positive(h, "peak_gbs", "header")
+    positive(h, "h2d_gbs", "header")
+
+    def ok(r: dict, w: str) -> bool:
+        if "error" in r and not fresh:
+            need(r, "error", str, w)
+            return False
+        assert "error" not in r, f"{w}: {r.get('error')}"
+        return True
+
+    for i, row in enumerate(need(data, "gemv", list, "result")):
+        w = f"gemv[{i}]"
+        positive(row, "dense_ms", w)
+        for name in ("int4_g128", "q4_k", "q4_0", "q8_0"):
+            r = need(row, name, dict, w)
+            if ok(r, f"{w}.{name}"):
+                for key in ("ms", "speedup", "gbs", "of_peak"):
+                    positive(r, key, f"{w}.{name}")
+                assert need(r, "bytes", int, w) > 0
+                err = need(r, "rel_err", NUM, w)  # the kernel vs the layer's own dequantized weight
+                assert 0 <= err <= 2e-2, f"{w}.{name}: relative error {err}"
+    att = need(data, "attention", list, "result")
+    assert att, "no attention rows"
+    for i, row in enumerate(att):
+        w = f"attention[{i}]"
+        if ok(row, w):
+            for key in ("best4_ms", "sdpa_ms", "gbs", "of_peak"):
+                positive(row, key, w)
+            assert row["gbs"] == pytest.approx(row["best4_bytes"] / row["best4_ms"] / 1e6, rel=1e-6)
+            assert row["of_peak"] == pytest.approx(row["gbs"] / peak, rel=1e-6)
+            assert row["best4_bytes"] * 3 < row["sdpa_bytes"], f"{w}: best-4 not smaller than 16-bit"
+    if "error" not in att[0]:
+        assert 0 <= need(att[0], "rel_err", NUM, "attention[0]") <= 1e-3
+    for i, row in enumerate(need(data, "decode", list, "result")):
+        w = f"decode[{i}]"
+        for name in ("DynamicCache", "best-4"):
+            r = need(row, name, dict, w)
+            if ok(r, f"{w}.{name}"):
+                positive(r, "ms_per_step", f"{w}.{name}")
+        if "ms_per_step" in row["best-4"] and "ms_per_step" in row["DynamicCache"]:
+            assert positive(row["best-4"], "ratio_vs_dynamic", w) == pytest.approx(
+                row["DynamicCache"]["ms_per_step"] / row["best-4"]["ms_per_step"], rel=1e-6)
+    off = need(data, "offload", dict, "result")
+    if ok(off, "offload"):
+        for key in ("all_device_ms", "offload_ms", "ratio_vs_all_device"):
+            positive(off, key, "offload")
+        assert 0.5 <= fraction(off, "host_share", "offload"), f"host share {off['host_share']}: expected ~0.75"
+        need(off, "transfer_below_compute", bool, "offload")
+
+
 CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_e2e.py": check_e2e,
     "bench_formats.py": check_formats,
@@ -386,6 +440,7 @@ CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_contention.py": check_contention,
     "bench_first_run.py": check_first_run,
     "bench_serve.py": check_serve,
+    "bench_gpu.py": check_gpu,
 }
 RECORDED = {  # recorded full-run result -> its benchmark
     "e2e.json": "bench_e2e.py",

@@ -101,3 +101,129 @@ def test_best4_kvcache_on_cuda_against_dynamic_cache():
     # the same 4-bit cache on both devices: as close to DynamicCache on CUDA as on the CPU
     assert errs["cuda"] < 0.05
     assert errs["cuda"] < 2 * errs["cpu"] + 1e-4, errs
+
+
+# ---- weights on CUDA: the ops dispatch to the Triton kernels, outputs equal the CPU's --------
+def _no_slow_path_warning():
+    import warnings
+
+    return warnings.catch_warnings(record=True)
+
+
+@pytest.mark.parametrize("bits,act_bits", [(2, None), (3, None), (4, None), (8, None), (8, 8)])
+def test_quantlinear_on_cuda_matches_the_cpu(bits, act_bits):
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'lessmem[gpu]')")
+    from lessmem.weights.qlinear import QuantLinear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 96)
+    q = QuantLinear.from_linear(lin, bits=bits, group_size=64, act_bits=act_bits)
+    x = torch.randn(3, 256)
+    want = q(x)
+    with _no_slow_path_warning() as caught:
+        g = q.to("cuda")  # int4pack (a CPU op's packing) becomes the portable layout
+        got = g(x.cuda())
+    assert got.device.type == "cuda" and g.layout in ("packed", "int8")
+    assert not [w for w in caught if "fallback" in str(w.message)], [str(w.message) for w in caught]
+    # the CPU's 2/3/4-bit kernel rounds activations to 16-bit fixed point, int4pack to bf16
+    tol = 3e-2 if bits == 4 else 2e-3
+    torch.testing.assert_close(got.cpu(), want, atol=tol * float(want.abs().max()), rtol=0)
+    ref = x.cuda() @ g.dequantized_weight().T.cuda() + g.bias
+    if act_bits is None:
+        torch.testing.assert_close(got, ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: prefill decodes the weight (torch.ops.lessmem.gguf_dequantize)
+def test_gguf_linear_on_cuda_matches_the_cpu(qtype, rows):
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'lessmem[gpu]')")
+    from lessmem.weights.gguf_linear import GGUFLinear
+
+    torch.manual_seed(1)
+    q = GGUFLinear.from_linear(torch.nn.Linear(512, 80), qtype)
+    x = torch.randn(rows, 512)
+    want = q(x)
+    g = q.to("cuda")
+    got = g(x.cuda())
+    assert got.device.type == "cuda" and got.dtype == x.dtype
+    assert torch.equal(g.dequantized_weight().cpu(), q.dequantized_weight())  # decoders bit-identical
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5 * float(want.abs().max()), rtol=0)
+    y16 = g(x.cuda().half())  # fp16 activations: converted in the kernel, out in fp16
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16.float().cpu(), want, atol=2e-3 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("config", ["rtn4", "rtn3", "hqq4", "Q4_K_M", "Q8_0"])
+def test_quantize_a_model_on_cuda(config):
+    import lessmem
+    from lessmem.models import tiny_random
+
+    model = tiny_random("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                        intermediate_size=512).eval()
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+    cfg = {"rtn4": lambda: lessmem.RTNConfig(bits=4, group_size=64),
+           "rtn3": lambda: lessmem.RTNConfig(bits=3, group_size=64),
+           "hqq4": lambda: lessmem.HQQConfig(bits=4, group_size=64),
+           "Q4_K_M": lambda: lessmem.GGUFConfig("Q4_K_M"),
+           "Q8_0": lambda: lessmem.GGUFConfig("Q8_0")}[config]
+    cpu = tiny_random("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                      intermediate_size=512).eval()
+    lessmem.quantize_(cpu, cfg(), progress=False)
+    model.cuda()
+    lessmem.quantize_(model, cfg(), progress=False)  # quantized where the weights are
+    with torch.no_grad():
+        got = model(ids.cuda()).logits.float().cpu()
+        want = cpu(ids).logits.float()
+        # one token at a time: the decode rows take the fused kernels
+        step = model(ids[:, :1].cuda()).logits.float().cpu()
+    rel = float(((got - want).pow(2).mean() / want.pow(2).mean()).sqrt())
+    assert rel < 2e-2, rel
+    torch.testing.assert_close(step, want[:, :1], atol=0.05 * float(want.abs().max()), rtol=0)
+
+
+def test_tiered_cache_on_cuda_with_a_host_tier_is_bit_exact():
+    from lessmem.kvcache import KVCache, enable
+    from lessmem.kvcache.tiered import TieredKVCache
+    from lessmem.models import tiny_random
+    from lessmem.offload import HostTier
+
+    model = tiny_random("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                        intermediate_size=256).cuda().eval()
+    ids = torch.randint(3, 250, (1, 300), generator=torch.Generator().manual_seed(4)).cuda()
+    with enable(model):
+        mem = KVCache(model.config, "best-4")
+        a = _logits(model, ids, mem, chunks=(256,))
+        tiered = TieredKVCache(model.config, "best-4", tiers=[HostTier(None)], block_tokens=64, model=model)
+        b = _logits(model, ids, tiered, chunks=(256,))
+        tiered.set_device_budget(tiered.device_bytes() // 3)  # most blocks go to pinned host memory
+        nxt = b[:, -1:].argmax(-1)
+        for _ in range(4):
+            la = model(input_ids=nxt, **{_kw(model): mem}, use_cache=True).logits
+            lb = model(input_ids=nxt, **{_kw(model): tiered}, use_cache=True).logits
+            assert torch.equal(la, lb)
+            nxt = la[:, -1:].argmax(-1)
+    assert torch.equal(a, b)
+    assert tiered.memory()["tiers"]["host"] > 0
+
+
+def _kw(model):
+    from lessmem.kvcache.cache import cache_kwarg
+
+    return cache_kwarg(model)
+
+
+def test_bench_gpu_quick_on_cuda(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(bench), "--quick", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["header"]["cuda"] is True
+    errors = [r for r in data["gemv"] for v in r.values() if isinstance(v, dict) and "error" in v]
+    assert not errors, errors
