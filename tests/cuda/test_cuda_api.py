@@ -227,3 +227,21 @@ def test_bench_gpu_quick_on_cuda(tmp_path):
     assert data["header"]["cuda"] is True
     errors = [r for r in data["gemv"] for v in r.values() if isinstance(v, dict) and "error" in v]
     assert not errors, errors
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "kivi-4", "kivi-2", "best-4", "fp8"])
+def test_store_kernel_on_cuda_equals_codec_encode(preset):
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'lessmem[gpu]')")
+    from lessmem.kvcache.codec import encode
+    from lessmem.kvcache.presets import resolve
+    from lessmem.kvcache.store_triton import encode as store
+
+    cfg = resolve(preset)
+    x = torch.randn(2, 4, 256, 64, device="cuda") * 3
+    x[0, 1, :, 5] *= 40  # an outlier channel
+    for spec in (cfg.keys, cfg.values):
+        want, got = encode(x, spec), store(x, spec)  # codec's torch ops on CUDA vs one launch
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+        assert (got.zero_point is None) == (want.zero_point is None)
+        if want.zero_point is not None:
+            assert torch.equal(got.zero_point, want.zero_point)

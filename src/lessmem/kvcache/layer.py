@@ -21,6 +21,7 @@ that the fused attention reads directly.
 
 from __future__ import annotations
 
+import importlib.util
 import numbers
 from typing import Callable
 
@@ -66,6 +67,24 @@ def count_part(m: dict[str, int], name: str, nbytes: int) -> None:
     kind = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
     m[kind] += nbytes
     m["k_quant_bytes" if name.startswith("k_") else "v_quant_bytes"] += nbytes
+
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def encode_chunk(x: torch.Tensor, spec):
+    """``codec.encode`` of a chunk; on CUDA (with triton) one Triton launch per side that
+    writes the stored layout directly (``store_triton``: the same codes, scales and zero
+    points as codec's torch ops on that device, lm scales within one fp16 ulp); a layout
+    the kernel cannot tile takes the torch ops."""
+    if x.is_cuda and _HAS_TRITON:
+        from . import store_triton  # imported at the first CUDA chunk: triton is slow to import
+
+        try:
+            return store_triton.encode(x, spec)
+        except NotImplementedError:
+            pass
+    return encode(x, spec)
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -165,7 +184,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             kf = kf @ _rot_matrix(self.rot_k, kf.device)
         if self.rot_v is not None:
             vf = vf @ _rot_matrix(self.rot_v, vf.device)
-        encoded = (("k", encode(kf, self.kspec)), ("v", encode(vf, self.vspec)))
+        encoded = (("k", encode_chunk(kf, self.kspec)), ("v", encode_chunk(vf, self.vspec)))
         # history part names: "k_codes", "k_scale", "k_zero_point" (if stored), "v_..."
         return {f"{side}_{part}": t for side, enc in encoded for part, t in enc.parts().items()}
 
