@@ -117,3 +117,25 @@ def test_a_new_layout_round_trips_encoder_reference_kernel(spec):
 def test_head_dim_must_fit():
     with pytest.raises(ValueError, match="head_dim=40 does not fit uint4 with channel group 32"):
         check_head_dim(KVTensorConfig("uint", 4, PerGroup(32)), 40)
+
+
+@pytest.mark.parametrize("preset", ["int4", "kivi-2", "best-4", "best-3", "fp8"])
+def test_kv_encode_op_is_codec_encode_and_traces(preset):
+    from lessmem.kernels.ops import layout_id
+    from lessmem.kvcache.codec import encode, kv_layout
+    from lessmem.kvcache.encode_op import encode_chunk, spec_id
+    from lessmem.kvcache.presets import resolve
+
+    cfg = resolve(preset)
+    x = torch.randn(1, 2, 128, 64, generator=torch.Generator().manual_seed(3))
+    for spec in (cfg.keys, cfg.values):
+        got, want = encode_chunk(x, spec), encode(x, spec)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+        assert (got.zero_point is None) == (want.zero_point is None)
+        if want.zero_point is not None:
+            assert torch.equal(got.zero_point, want.zero_point)
+        args = (x, spec_id(spec), layout_id(kv_layout(spec, 64)))
+        torch.library.opcheck(torch.ops.lessmem.kv_encode.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    with pytest.raises(ValueError, match="spec id 99999"):
+        torch.ops.lessmem.kv_encode(x, 99999, 0)

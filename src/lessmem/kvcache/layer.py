@@ -21,7 +21,6 @@ that the fused attention reads directly.
 
 from __future__ import annotations
 
-import importlib.util
 import numbers
 from typing import Callable
 
@@ -30,8 +29,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.attention import QuantKV, QuantSide
 from .block import KVBlock
-from .codec import encode, kv_layout
+from .codec import kv_layout
 from .config import KVConfig, KVTensorConfig
+from .encode_op import encode_chunk  # torch.ops.lessmem.kv_encode: Triton on CUDA
 from .view import LayerView, _rot_matrix
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -67,24 +67,6 @@ def count_part(m: dict[str, int], name: str, nbytes: int) -> None:
     kind = "codes" if name.endswith("codes") else ("scales" if name.endswith("scale") else "zero_points")
     m[kind] += nbytes
     m["k_quant_bytes" if name.startswith("k_") else "v_quant_bytes"] += nbytes
-
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def encode_chunk(x: torch.Tensor, spec):
-    """``codec.encode`` of a chunk; on CUDA (with triton) one Triton launch per side that
-    writes the stored layout directly (``store_triton``: the same codes, scales and zero
-    points as codec's torch ops on that device, lm scales within one fp16 ulp); a layout
-    the kernel cannot tile takes the torch ops."""
-    if x.is_cuda and _HAS_TRITON:
-        from . import store_triton  # imported at the first CUDA chunk: triton is slow to import
-
-        try:
-            return store_triton.encode(x, spec)
-        except NotImplementedError:
-            pass
-    return encode(x, spec)
 
 
 class QuantizedKVLayer(CacheLayerMixin):
