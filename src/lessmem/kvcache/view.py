@@ -119,8 +119,11 @@ def attend_decode_rows(views: list, q_f: torch.Tensor) -> torch.Tensor | None:
     One C++ call reads every history and every full-precision piece (sinks, window, current
     token) in place, as stored (fp16 or fp32): nothing is concatenated or cast. Rotation
     is applied per row (``bmm``), so a row's result does not depend on the others.
-    Returns [R, Hq, D] float32, or None without the C++ kernel."""
+    Returns [R, Hq, D] float32, or None without the C++ kernel (or off the CPU: the rows
+    then go through ``LayerView.attend``'s op path, Triton on CUDA)."""
     R, _, D = q_f.shape
+    if q_f.device.type != "cpu":  # the one-call kernel reads CPU memory: the caller takes the op path
+        return None
     rot_k, rot_v = views[0].rot_k, views[0].rot_v
     q_h = torch.bmm(q_f, _rot_matrix(rot_k, q_f.device).expand(R, D, D)) if rot_k is not None else q_f
     res = fused_attention_batch(q_h, q_f, [v.history for v in views], [v.fp_pieces() for v in views])
