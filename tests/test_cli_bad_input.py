@@ -241,6 +241,11 @@ ROWS = [
     (("eval", *M, "--threads", "1.5"), "--threads"),
     (("eval", *M, "--threads", "0"), "--threads"),
     (("eval", *M, "--threads", "5000"), "--threads"),
+    (("eval", *M, "--device", "tpu"), "--device"),
+    (("eval", *M, "--device", "cuda:x"), "--device"),
+    (("eval", *M, "--device", "cuda:4096"), "--device"),
+    ((*G, *M, "--device", ""), "--device"),
+    ((*G, *M, "--device", "cuda:999"), "--device"),
     (("eval", *M, "--out", "{T}"), "--out"),
     (("eval", *M, "--out", "/dev/null/x.json"), "--out"),
     (("eval", *M, "--out", "{T}/sub/"), "--out"),
@@ -387,6 +392,15 @@ ROWS = [
     (("evl",), "evl"),
     (("--bogus",), "--bogus"),
 ]
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if not _cuda_present():  # a CUDA device this machine lacks is refused before any model loads
+    ROWS += [(("eval", *M, "--device", "cuda"), "--device"), ((*G, *M, "--device", "cuda:0"), "--device")]
 
 
 def _argv(row, files, tmp_path):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lessmem import _cli_types as T
+
 
 def peek_model(name: str) -> dict | None:
     """What a model's config says, read before any weights load (None where that needs the
@@ -166,3 +168,17 @@ WEIGHTS_HELP = ("stored (default): a GGUF file's quantized weights kept as its b
 def add_weights_option(p) -> None:
     """``--weights stored|float``, passed to ``lessmem.load(..., weights=)``."""
     p.add_argument("--weights", choices=("stored", "float"), default="stored", help=WEIGHTS_HELP)
+
+
+def add_device_option(p) -> None:
+    p.add_argument("--device", type=T.device, default="auto",
+                   help="where the model runs: auto (a CUDA device when there is one), cpu, cuda, cuda:N "
+                        "(default auto)")
+
+
+def to_device(model, args):
+    """``model`` moved to ``--device`` (a GGUF model's blocks stay blocks); returns the device."""
+    device = T.resolve_device(getattr(args, "device", "cpu"))
+    if device != "cpu":
+        model.to(device)
+    return device

@@ -364,6 +364,35 @@ def offload_tiers(text: str) -> str:
 
 THREADS = integer(1, 1024)  # torch CPU threads
 
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
+
+
+def device(text: str) -> str:
+    """``--device``: ``auto`` (a CUDA device when there is one, else the CPU), ``cpu``,
+    ``cuda`` or ``cuda:N``; a CUDA device this machine lacks is refused here, before any
+    model loads."""
+    value = text.strip().lower()
+    if not _DEVICE.fullmatch(value):
+        raise bad(text, "allowed: auto, cpu, cuda, cuda:N")
+    if value.startswith("cuda"):
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(value.split(":")[1]) if ":" in value else 0
+        if index >= n:
+            have = f"cuda:0..cuda:{n - 1}" if n else "no CUDA device here (torch.cuda.is_available() is False)"
+            raise bad(text, f"{have}; allowed: auto, cpu" + (", cuda, cuda:N with N < " + str(n) if n else ""))
+    return value
+
+
+def resolve_device(value: str) -> str:
+    """The torch device string for a checked ``--device`` value."""
+    if value == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return value
+
 
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line: ``PROG: error: --opt VALUE: allowed``."""

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from lessmem.cli import main
 from lessmem.models import tiny_random, tiny_tokenizer
@@ -88,6 +89,14 @@ def test_generate_streams_and_prints_bytes(model_dir, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "KV cache dynamic:" in out and "+ 6 new tokens" in out and "total " in out
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_generate_on_a_device(model_dir, capsys, device):
+    rc = main(["generate", "hello there", "--model", str(model_dir), "--kv", "best-4",
+               "--max-new-tokens", "4", "--raw", "--device", device])
+    assert rc == 0
+    assert "KV cache best-4:" in capsys.readouterr().out
 
 
 def test_generate_bad_input_exit_2(model_dir, capsys):

@@ -27,7 +27,13 @@ import os
 import sys
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import add_weights_option, check_model, peek_model
+from lessmem._cli_model import (
+    add_device_option,
+    add_weights_option,
+    check_model,
+    peek_model,
+    to_device,
+)
 from lessmem._console import publish
 
 HELP = "measure perplexity, KLD, retrieval, bytes and speed of KV caches"
@@ -69,6 +75,7 @@ def add_arguments(p) -> None:
     p.add_argument("--passkey-depths", type=T.float_list(0, 1), default="0.1,0.5,0.9", help="needle depths in [0,1] (default 0.1,0.5,0.9)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
     p.add_argument("--threads", type=T.THREADS, default=None, help="torch CPU threads, 1..1024 (default: torch's choice)")
+    add_device_option(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--out", type=T.out_file(), default=None, help="also write the JSON to this file")
     p.add_argument("--plot", type=T.out_file(PLOT_SUFFIXES), default=None, metavar="FILE.png",
@@ -204,6 +211,7 @@ def run(args) -> int:
     text_name, text = load_text(args.text)
     prog.say(f"loading {args.model} ...")
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), weights=args.weights)
+    to_device(model, args)
     check_lengths(args, getattr(model.config, "max_position_embeddings", None))
     check_passkey(args, tok)
     others = ", ".join(s.name for s in configs if s.kind != "baseline") or "nothing"

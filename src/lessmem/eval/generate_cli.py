@@ -20,7 +20,13 @@ import os
 import sys
 
 from lessmem import _cli_types as T
-from lessmem._cli_model import add_weights_option, check_model, peek_model
+from lessmem._cli_model import (
+    add_device_option,
+    add_weights_option,
+    check_model,
+    peek_model,
+    to_device,
+)
 from lessmem.base.units import fmt_bytes
 
 HELP = "generate text with a quantized KV cache"
@@ -42,6 +48,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=T.integer(0, 2**63 - 1), default=0, help="with --sample: RNG seed (default 0)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--threads", type=T.THREADS, default=None, help="torch CPU threads, 1..1024")
+    add_device_option(p)
     add_offload_arguments(p)
 
 
@@ -231,7 +238,8 @@ def run(args) -> int:
     set_threads(args.threads)
     quiet_transformers()  # no loading bars or warnings around the streamed text
     model, tok = load_model(args.model, weights=args.weights)
-    enc = _encode(tok, args)
+    device = to_device(model, args)
+    enc = _encode(tok, args).to(device)
     n_prompt = enc["input_ids"].shape[1]
     context = getattr(model.config, "max_position_embeddings", None)
     check_context("--max-new-tokens", args.max_new_tokens, n_prompt + args.max_new_tokens, context,
