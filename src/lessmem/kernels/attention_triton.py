@@ -47,20 +47,11 @@ from __future__ import annotations
 
 import torch
 
-try:  # triton is the optional 'gpu' extra
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is missing
-    triton = None
-    tl = None
+from ._triton import available, interpreting, tl, triton  # noqa: F401  (available: public)
+from ._triton import jit as _jit
 
 PACKINGS = {"split": 0, "stream": 1}  # KVLayout.packing -> the kernel's PACK constant
 BLOCK_T = 32  # history tokens per tile
-
-
-def available() -> bool:
-    """True when triton is importable."""
-    return triton is not None
 
 
 def check_layout(layout) -> None:
@@ -71,9 +62,6 @@ def check_layout(layout) -> None:
     if not 1 <= layout.bits <= 8:
         raise ValueError(f"the Triton attention kernel cannot read layout {layout!r}: bits "
                          f"{layout.bits}; allowed: 1 to 8")
-
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit
@@ -232,12 +220,6 @@ def _combine(PM, PL, PACC, OUT, LSE, Hkv, Hq, Tq, M, D, n_split,
     row = (b * Hq + hq) * Tq + tq
     tl.store(OUT + row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < D))
     tl.store(LSE + row, lse, mask=row_ok)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels under its interpreter (``TRITON_INTERPRET=1`` set
-    before triton was imported: the mode is fixed for the whole process then)."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 def _pow2(n: int, lo: int = 16) -> int:

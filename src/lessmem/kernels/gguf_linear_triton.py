@@ -73,13 +73,8 @@ import functools
 import torch
 
 from ..formats.gguf import gguf_type
-
-try:  # triton is the optional 'gpu' extra
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is missing
-    triton = None
-    tl = None
+from ._triton import available, interpreting, tl, triton  # noqa: F401  (available: public)
+from ._triton import jit as _jit
 
 SUPPORTED = ("q4_0", "q8_0", "q4_k", "q6_k", "q4_1", "q5_0", "q5_1", "q5_k", "q2_k", "q3_k")
 STEP = 256  # weights of a row per loop step: one super-block, or 8 legacy blocks of 32
@@ -100,20 +95,6 @@ PROGRAMS_PER_SM = 8  # split K until about this many programs per SM (CUDA only)
 MIN_STEPS_PER_SPLIT = 4
 DEQ_BLOCK_N = 8  # rows per program of the dequantize kernel (one step each)
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def available() -> bool:
-    """True when triton is importable."""
-    return triton is not None
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels under its interpreter (``TRITON_INTERPRET=1`` set
-    before triton was imported: the mode is fixed for the whole process then)."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
-
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit

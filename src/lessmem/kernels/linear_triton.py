@@ -63,12 +63,8 @@ import contextlib
 
 import torch
 
-try:  # triton is the optional 'gpu' extra
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is missing
-    triton = None
-    tl = None
+from ._triton import available, interpreting, tl, triton  # noqa: F401  (available: public)
+from ._triton import jit as _jit
 
 LOWBIT_BITS = (2, 3, 4)
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -80,24 +76,10 @@ MAX_BLOCK_N = 64
 W8A8_MAX_K = 2**31 // (128 * 128)  # int32 sums of int8·int8 products cannot overflow below
 
 
-def available() -> bool:
-    """True when triton is importable."""
-    return triton is not None
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels under its interpreter (``TRITON_INTERPRET=1`` set
-    before triton was imported: the mode is fixed for the whole process then)."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
-
-
 def lowbit_supported(in_features: int, group_size: int) -> bool:
     """Whether ``lowbit_linear`` takes this shape: group_size a positive multiple of 32 that
     divides in_features (so every step of BLOCK_K codes lies in one group)."""
     return group_size > 0 and group_size % 32 == 0 and in_features > 0 and in_features % group_size == 0
-
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit

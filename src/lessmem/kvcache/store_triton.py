@@ -74,15 +74,10 @@ import torch
 
 from ..formats.codebook import midpoints_below
 from ..formats.integer import _TINY
+from ..kernels._triton import available, interpreting, tl, triton  # noqa: F401  (available: public)
+from ..kernels._triton import jit as _jit
 from .codec import Encoded, kv_layout
 from .config import KVTensorConfig
-
-try:  # triton is the optional 'gpu' extra
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is missing
-    triton = None
-    tl = None
 
 # format -> the kernel's FMT constant
 SUPPORTED_FORMATS = {"int": 0, "uint": 1, "lm": 2, "fp8-e4m3": 3, "fp8-e5m2": 4}
@@ -94,20 +89,6 @@ _FMAX = {"fp8-e4m3": float(torch.finfo(torch.float8_e4m3fn).max),
 _PER_CHANNEL, _ROW, _ELEMENT, _ALONG_C, _SPAN_A = range(5)
 _TILE = 4096  # x elements per program (compiled); the interpreter takes bigger tiles
 _TILE_INTERPRETED = 16384
-
-
-def available() -> bool:
-    """True when triton is importable."""
-    return triton is not None
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels under its interpreter (``TRITON_INTERPRET=1`` set
-    before triton was imported: the mode is fixed for the whole process then)."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
-
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit
