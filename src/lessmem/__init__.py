@@ -57,6 +57,7 @@ _LAZY = {
     "AWQConfig": "lessmem.weights",
     "SmoothQuantConfig": "lessmem.weights",
     "GGUFConfig": "lessmem.weights",
+    "FP8Config": "lessmem.weights",
 }
 
 __all__ = ["__version__", *_LAZY]

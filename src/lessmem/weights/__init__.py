@@ -1,7 +1,9 @@
 """Weight quantization: which weights get quantized and how the codes are chosen.
 
 RTN, HQQ (calibration-free), GPTQ, AWQ and SmoothQuant (W8A8) behind one call, ``quantize_``,
-which replaces ``nn.Linear`` modules by ``QuantLinear`` (fused dequant-matmul kernels); checkpoints
+which replaces ``nn.Linear`` modules by ``QuantLinear`` (fused dequant-matmul kernels), FP8
+(``FP8Config``: float8_e4m3fn weights in ``FP8Linear``, W8A8 through ``torch._scaled_mm`` or
+weight-only) and GGUF types (``GGUFConfig``: ``GGUFLinear``); checkpoints
 (``save_quantized`` / ``checkpoint.load_quantized``) and GGUF export.
 
 Example:
@@ -17,6 +19,7 @@ from .apply import quantize_
 from .checkpoint import load_quantized, save_quantized
 from .config import (
     AWQConfig,
+    FP8Config,
     GGUFConfig,
     GPTQConfig,
     HQQConfig,
@@ -24,7 +27,8 @@ from .config import (
     SmoothQuantConfig,
     WeightConfig,
 )
+from .fp8 import FP8Linear
 from .qlinear import QuantLinear
 
-__all__ = ["quantize_", "QuantLinear", "WeightConfig", "RTNConfig", "HQQConfig", "GPTQConfig",
-           "AWQConfig", "SmoothQuantConfig", "GGUFConfig", "save_quantized", "load_quantized"]
+__all__ = ["quantize_", "QuantLinear", "FP8Linear", "WeightConfig", "RTNConfig", "HQQConfig", "GPTQConfig",
+           "AWQConfig", "SmoothQuantConfig", "GGUFConfig", "FP8Config", "save_quantized", "load_quantized"]

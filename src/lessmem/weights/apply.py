@@ -1,11 +1,15 @@
 """``quantize_(model, config, calibration=None, filter_fn=None)``: replace ``nn.Linear``
-modules by ``QuantLinear`` in place.
+modules by ``QuantLinear`` in place (``FP8Config``: by ``FP8Linear``; ``GGUFConfig``: by
+``GGUFLinear``, ``weights.gguf_apply``).
 
 RTN and HQQ visit every linear on their own (HQQ fits each group's zero point and scale
 to the weights, ``weights.hqq``). Calibrated methods (GPTQ, AWQ, SmoothQuant) go
 block by block: capture the first block's inputs once, then for each decoder block
 observe its linears' inputs, solve, replace, and run the quantized block to produce the
 next block's inputs. Linears outside the blocks (``lm_head`` unless skipped) get RTN.
+FP8 (``weights.fp8``) visits every linear like RTN: float8_e4m3fn weights with one float32
+scale per output channel, no calibration; its report adds ``bytes_held`` and
+``bits_per_weight``.
 
 Which linears: ``config.skip`` / ``config.overrides`` (name patterns) and ``filter_fn(name,
 module) -> bool`` (False keeps the module in full precision).
@@ -30,8 +34,9 @@ from torch import nn
 
 from .arch import arch_for, get_module, set_module
 from .calibrate import BlockInputs, calibration_ids, describe, run_block
-from .config import GGUFConfig, HQQConfig, WeightConfig
+from .config import FP8Config, GGUFConfig, HQQConfig, WeightConfig
 from .experts import fused_expert_params, split_experts
+from .fp8 import FP8Linear
 from .gguf_apply import apply_gguf
 from .hqq import hqq_quantize
 from .qlinear import QuantLinear
@@ -104,21 +109,17 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
                          "with lessmem.load(..., weights='float')")
     if isinstance(config, GGUFConfig):
         return apply_gguf(model, config, filter_fn)
-    if not isinstance(config, WeightConfig):
+    if not isinstance(config, (WeightConfig, FP8Config)):
         raise ValueError(f"config={config!r} must be a weight config (RTNConfig, HQQConfig, "
-                         "GPTQConfig, AWQConfig, SmoothQuantConfig, GGUFConfig)")
+                         "GPTQConfig, AWQConfig, SmoothQuantConfig, GGUFConfig, FP8Config)")
     t0 = time.perf_counter()
     if config.needs_calibration:  # an architecture without an entry fails before the model changes
         arch_for(getattr(getattr(model, "config", None), "model_type", None))
-    n_split = split_experts(model)  # fused MoE experts -> per-expert linears (weights.experts)
-    left = fused_expert_params(model)
-    if left:
-        warnings.warn(f"{len(left)} fused expert tensors ({', '.join(left[:2])}, ...) are not of the "
-                      "standard gate_up_proj/down_proj kind and stay in full precision", stacklevel=2)
-    targets = _targets(model, config, filter_fn)
     report = {"method": config.method, "config": config.to_dict(), "layers": {}}
-    if n_split:
-        report["experts_split"] = n_split
+    _split_experts(model, report)
+    if isinstance(config, FP8Config):
+        return _fp8(model, config, filter_fn, progress, report, t0)
+    targets = _targets(model, config, filter_fn)
     if config.needs_calibration:
         done = _calibrated(model, config, targets, calibration, tokenizer, progress, report)
     else:
@@ -139,6 +140,46 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
         bar.step(name)
     bar.close()
     report["n_quantized"] = len(targets)
+    report["seconds"] = time.perf_counter() - t0
+    model._lessmem_quant = report["config"]  # what save_quantized records
+    return report
+
+
+def _split_experts(model: nn.Module, report: dict) -> None:
+    """Fused MoE experts -> per-expert linears (``weights.experts``), counted in ``report``."""
+    n_split = split_experts(model)
+    left = fused_expert_params(model)
+    if left:
+        warnings.warn(f"{len(left)} fused expert tensors ({', '.join(left[:2])}, ...) are not of the "
+                      "standard gate_up_proj/down_proj kind and stay in full precision", stacklevel=3)
+    if n_split:
+        report["experts_split"] = n_split
+
+
+def _fp8(model, config: FP8Config, filter_fn, progress: bool, report: dict, t0: float) -> dict:
+    """``FP8Config``: every selected ``nn.Linear`` becomes an ``FP8Linear`` (``weights.fp8``);
+    the same selection as RTN (``skip``, ``overrides``, ``filter_fn``)."""
+    targets = {}
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear or (filter_fn is not None and not filter_fn(name, mod)):
+            continue
+        c = config.for_module(name)
+        if c is not None:
+            targets[name] = c
+    bar = _Progress(len(targets), "fp8", progress and bool(targets))
+    held = stored = numel = 0
+    for name, c in targets.items():  # replaced after the walk: named_modules must not see new ones
+        lin = get_module(model, name)
+        q = FP8Linear.from_linear(lin, act=c.act)
+        set_module(model, name, q)
+        held += q.nbytes
+        stored += q.qweight.numel() + 4 * q.scale.numel()
+        numel += q.qweight.numel()
+        bar.step(name)
+    bar.close()
+    report["n_quantized"] = len(targets)
+    report["bytes_held"] = held  # FP8 weights + scales + bias of the replaced layers
+    report["bits_per_weight"] = 8.0 * stored / max(numel, 1)  # weights + scales (8 + 32/K)
     report["seconds"] = time.perf_counter() - t0
     model._lessmem_quant = report["config"]  # what save_quantized records
     return report

@@ -16,6 +16,10 @@ Format (a directory):
 - ``GGUFLinear`` layers (``GGUFConfig``): ``<name>.qweight`` holds the raw GGUF blocks
   (uint8 ``[N, row_bytes]``, llama.cpp's bytes) and ``<name>.bias``; the config lists them
   under ``"gguf_modules": {name: {"gguf_type", "in_features", "out_features", "bias"}}``.
+- ``FP8Linear`` layers (``FP8Config``, ``weights.fp8``): ``<name>.qweight`` (float8_e4m3fn
+  ``[N, K]``, safetensors ``F8_E4M3``), ``<name>.scale`` (float32 ``[N, 1]``) and
+  ``<name>.bias``, as held (W_hat = qweight · scale); listed under ``"fp8_modules": {name:
+  {"act", "fmt", "in_features", "out_features", "bias"}}`` (``act``: "fp8" or null).
 - the tokenizer files, when a tokenizer is given.
 
 ``lessmem.load(dir)`` calls ``load_quantized`` when ``lessmem_quant.json`` exists.
@@ -59,6 +63,7 @@ from ..formats.packing import pack_bits, unpack_bits
 from . import checkpoint_check as check
 from .arch import get_module, set_module
 from .experts import split_experts
+from .fp8 import FP8Linear
 from .gguf_linear import GGUFLinear
 from .qlinear import QuantLinear
 from .rtn import QuantizedWeight
@@ -94,7 +99,10 @@ def save_quantized(model, directory, tokenizer=None) -> None:
     gguf_modules = {n: {"gguf_type": m.gguf_type, "in_features": m.in_features,
                         "out_features": m.out_features, "bias": m.bias is not None}
                     for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
-    for key, t in model.state_dict().items():  # GGUFLinear: its qweight and bias, as they are
+    fp8_modules = {n: {"act": m.act, "fmt": m.fmt, "in_features": m.in_features,
+                       "out_features": m.out_features, "bias": m.bias is not None}
+                   for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    for key, t in model.state_dict().items():  # GGUFLinear, FP8Linear: their tensors, as they are
         owner = key.rpartition(".")[0]
         if owner in qmods:
             continue
@@ -120,6 +128,8 @@ def save_quantized(model, directory, tokenizer=None) -> None:
             "modules": modules, "tied": tied, "buffer_dtypes": buffer_dtypes}
     if gguf_modules:
         meta["gguf_modules"] = gguf_modules
+    if fp8_modules:
+        meta["fp8_modules"] = fp8_modules
     (d / MARKER).write_text(json.dumps(meta, indent=1, default=str))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(d))
@@ -188,7 +198,7 @@ def parameters_on_meta():
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 class TensorFile:
@@ -252,6 +262,10 @@ def _fill(model, meta: dict, file: TensorFile) -> None:
     for name, spec in meta["gguf_modules"].items():  # filled by load_state_dict below
         with parameters_on_meta(), torch.device("meta"):
             layer = GGUFLinear(spec["in_features"], spec["out_features"], spec["gguf_type"], spec["bias"])
+        set_module(model, name, layer)
+    for name, spec in meta["fp8_modules"].items():  # filled by load_state_dict below
+        with parameters_on_meta(), torch.device("meta"):
+            layer = FP8Linear(spec["in_features"], spec["out_features"], spec["bias"], spec["act"], spec["fmt"])
         set_module(model, name, layer)
     done = tuple(f"{n}." for n in meta["modules"])
     tensors = {key: file.read(key) for key in file.layout if not key.startswith(done)}

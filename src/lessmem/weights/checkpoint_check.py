@@ -12,7 +12,10 @@ is trusted until checked here:
 - ``check_tensors``: every module name is a linear layer that exists in the model built
   from the stored config (on the meta device: shapes only, nothing allocated), with the stored ``in_features``/``out_features``, and every
   tensor in ``model.safetensors`` has exactly the shape and dtype that layer needs; so
-  no size from the file decides an allocation before it has been checked.
+  no size from the file decides an allocation before it has been checked. ``FP8Linear``
+  entries (``fp8_modules``: ``act`` "fp8" or null, ``fmt`` "e4m3") need a float8_e4m3fn
+  ``qweight [N, K]`` and a float32 ``scale [N, 1]``, those exact dtypes, since the layer
+  holds them as they are.
 
 Every failure is ``ValueError("<path>: not a valid lessmem checkpoint: <what>")``.
 
@@ -44,6 +47,8 @@ QUANT_FIELDS = {"bits": int, "group_size": int, "symmetric": bool, "act_bits": (
 BUFFER_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float64": torch.float64}
 GGUF_FIELDS = {"gguf_type": str, "in_features": int, "out_features": int, "bias": bool}
+FP8_FIELDS = {"act": (str, type(None)), "fmt": str, "in_features": int, "out_features": int, "bias": bool}
+SECTIONS = (("modules", QUANT_FIELDS), ("gguf_modules", GGUF_FIELDS), ("fp8_modules", FP8_FIELDS))
 
 
 def bad(path, what: str) -> ValueError:
@@ -72,13 +77,20 @@ def read_meta(path: Path) -> dict:
         raise bad(path, "model_config must be an object with a model_type string")
     if not isinstance(meta.get("quantization"), (dict, type(None))):
         raise bad(path, "quantization must be an object or null")
-    for key, fields in (("modules", QUANT_FIELDS), ("gguf_modules", GGUF_FIELDS)):
+    for key, fields in SECTIONS:
         meta[key] = _entries(path, meta.get(key, {}), key, fields)
-    both = set(meta["modules"]) & set(meta["gguf_modules"])
-    if both:
-        raise bad(path, f"{sorted(both)[:3]} listed in both modules and gguf_modules")
+    for i, (a, _) in enumerate(SECTIONS):
+        for b, _ in SECTIONS[i + 1:]:
+            both = set(meta[a]) & set(meta[b])
+            if both:
+                raise bad(path, f"{sorted(both)[:3]} listed in both {a} and {b}")
     for name, spec in meta["modules"].items():
         _check_quant_spec(path, name, spec)
+    for name, spec in meta["fp8_modules"].items():
+        if spec["act"] not in ("fp8", None):
+            raise bad(path, f"fp8_modules[{name!r}].act={spec['act']!r}; allowed: \"fp8\" or null")
+        if spec["fmt"] != "e4m3":
+            raise bad(path, f"fp8_modules[{name!r}].fmt={spec['fmt']!r}; allowed: \"e4m3\"")
     tied = meta.get("tied", {})
     if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                              for k, v in tied.items()):
@@ -160,10 +172,13 @@ def model_class(path, name: str, config):
     return cls
 
 
-def _expected(spec: dict, gguf_row_bytes=None) -> dict[str, tuple[torch.dtype, tuple]]:
-    """Stored tensors a quantized (or GGUF, with its row bytes) linear needs: suffix -> (dtype, shape)."""
+def _expected(spec: dict, gguf_row_bytes=None, fp8: bool = False) -> dict[str, tuple[torch.dtype, tuple]]:
+    """Stored tensors a quantized (or GGUF, with its row bytes, or FP8) linear needs: suffix ->
+    (dtype, shape); the dtypes of FP8 layers are exact (``EXACT``)."""
     n, k = spec["out_features"], spec["in_features"]
-    if gguf_row_bytes is not None:
+    if fp8:
+        want = {"qweight": (torch.float8_e4m3fn, (n, k)), "scale": (torch.float32, (n, 1))}
+    elif gguf_row_bytes is not None:
         want = {"qweight": (torch.uint8, (n, gguf_row_bytes))}
     else:
         g = k // spec["group_size"]
@@ -188,7 +203,8 @@ def check_tensors(path, meta: dict, model: nn.Module, stored: dict) -> None:
     ``(dtype, shape)``."""
     modules = dict(model.named_modules())
     expected: dict[str, tuple] = {}
-    for key in ("modules", "gguf_modules"):
+    exact: set[str] = set()  # tensors held as stored: their dtype must match exactly
+    for key, _ in SECTIONS:
         for name, spec in meta[key].items():
             lin = modules.get(name)
             if not isinstance(lin, nn.Linear):
@@ -200,8 +216,11 @@ def check_tensors(path, meta: dict, model: nn.Module, stored: dict) -> None:
                                 f"the model's layer is {lin.out_features} x {lin.in_features} "
                                 f"(bias {lin.bias is not None})")
             rb = _gguf_row_bytes(path, name, spec) if key == "gguf_modules" else None
-            expected.update({f"{name}.{s}": w for s, w in _expected(spec, rb).items()})
-    replaced = tuple(f"{n}." for n in (*meta["modules"], *meta["gguf_modules"]))
+            want = _expected(spec, rb, fp8=key == "fp8_modules")
+            expected.update({f"{name}.{s}": w for s, w in want.items()})
+            if key == "fp8_modules":
+                exact.update(f"{name}.{s}" for s in ("qweight", "scale"))
+    replaced = tuple(f"{n}." for key, _ in SECTIONS for n in meta[key])
     own = {k: (t.dtype, tuple(t.shape)) for k, t in model.state_dict(keep_vars=True).items()
            if not k.startswith(replaced)}
     expected.update(own)
@@ -209,8 +228,10 @@ def check_tensors(path, meta: dict, model: nn.Module, stored: dict) -> None:
         if key not in expected:
             raise bad(path, f"model.safetensors holds {key!r}, which the model does not have")
         want_dtype, want_shape = expected[key]
-        dtype_ok = dtype.is_floating_point if want_dtype is None or want_dtype.is_floating_point \
-            else dtype == want_dtype
+        if want_dtype is not None and (key in exact or not want_dtype.is_floating_point):
+            dtype_ok = dtype == want_dtype
+        else:
+            dtype_ok = dtype.is_floating_point
         if tuple(shape) != tuple(want_shape) or not dtype_ok:
             raise bad(path, f"tensor {key!r} is {dtype} {list(shape)}; the model needs "
                             f"{want_dtype or 'float'} {list(want_shape)}")

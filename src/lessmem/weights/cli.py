@@ -2,12 +2,19 @@
 
     lessmem quantize --model smollm2-135m --method gptq --bits 4 --group-size 128 --out DIR
     lessmem quantize --model smollm2-135m --method hqq --bits 3 --group-size 64 --out DIR
+    lessmem quantize --model smollm2-135m --method fp8 --act none --out DIR
     lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --out model.gguf
 
 Without ``--group-size`` the group is 128, and where 128 does not divide a layer's
 inputs (the built-in model's 576-wide layers) the largest of 64/32 that does, as
 ``--group-fallback`` (and the benchmarks) do; the summary counts the linears per group
 size. Every option is checked before the model loads.
+
+``--method fp8`` holds float8_e4m3fn weights with one float32 scale per output channel
+(``weights.fp8``); ``--act fp8`` (the default) quantizes activations to FP8 per token
+(W8A8, ``torch._scaled_mm``), ``--act none`` keeps them float (weight-only). Like
+SmoothQuant, it ignores ``--bits``, ``--group-size`` and ``--symmetric``; the other
+methods ignore ``--act``.
 
 ``--calibration FILE`` picks the calibration text (default: the built-in corpus,
 ``pydoc_data.topics``); the summary says which was used. ``--json`` prints the report
@@ -27,8 +34,9 @@ from lessmem import _cli_types as T
 from lessmem._cli_model import check_model, peek_model
 from lessmem._console import publish
 
-HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, GGUF)"
-METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant")
+HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, FP8, GGUF)"
+METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8")
+ACTS = ("fp8", "none")
 FORMATS = ("lessmem", "gguf")
 DEFAULT_GROUP = 128
 PER_CHANNEL = ("none", "0", "per-channel")
@@ -58,6 +66,8 @@ def add_arguments(p) -> None:
     p.add_argument("--alpha", type=T.number(0, 1), default=0.5, help="SmoothQuant migration strength in [0, 1]")
     p.add_argument("--iters", type=T.integer(0, 1000), default=20, help="HQQ half-quadratic iterations")
     p.add_argument("--lp-norm", type=T.number(0, 1, lo_open=True), default=0.7, help="HQQ lp norm of the error, 0 < p <= 1")
+    p.add_argument("--act", type=T.choice(ACTS), default="fp8",
+                   help="--method fp8: fp8 (W8A8, FP8 activations per token) or none (weight-only)")
     p.add_argument("--format", type=T.choice(FORMATS), default="lessmem", help="lessmem (checkpoint dir) or gguf")
     p.add_argument("--type", default="Q4_K_M", help="GGUF type or mix for --format gguf")
     p.add_argument("--out", required=True, help="output directory (or .gguf file)")
@@ -66,7 +76,7 @@ def add_arguments(p) -> None:
 
 def build_config(args):
     """The weight config the options describe; ValueError naming the option when invalid."""
-    from . import AWQConfig, GPTQConfig, HQQConfig, RTNConfig, SmoothQuantConfig
+    from . import AWQConfig, FP8Config, GPTQConfig, HQQConfig, RTNConfig, SmoothQuantConfig
 
     if args.method not in METHODS:
         raise T.OptionError("--method", args.method, f"allowed: {', '.join(METHODS)}")
@@ -79,7 +89,8 @@ def build_config(args):
     make = {"rtn": lambda: RTNConfig(**common), "hqq": lambda: HQQConfig(**common, iters=args.iters,
                                                                           lp_norm=args.lp_norm),
             "gptq": lambda: GPTQConfig(**common, **calib), "awq": lambda: AWQConfig(**common, **calib),
-            "smoothquant": lambda: SmoothQuantConfig(alpha=args.alpha, **calib)}[args.method]
+            "smoothquant": lambda: SmoothQuantConfig(alpha=args.alpha, **calib),
+            "fp8": lambda: FP8Config(act=None if getattr(args, "act", "fp8") == "none" else "fp8")}[args.method]
     try:
         return make()
     except ValueError as exc:  # a config field named in the message: name its option
@@ -182,11 +193,14 @@ def _commit(out: Path, written: Path, tmp: Path | None) -> None:
 
 def _group_counts(model) -> dict:
     """{group size: number of quantized linears} (what --group-fallback chose, layer by layer)."""
+    from .fp8 import FP8Linear
     from .qlinear import QuantLinear
 
     counts: dict = {}
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, FP8Linear):
+            counts["per-channel"] = counts.get("per-channel", 0) + 1
+        elif isinstance(m, QuantLinear):
             key = "per-channel" if m.group_size in (None, m.in_features) else str(m.group_size)
             counts[key] = counts.get(key, 0) + 1
     return counts
@@ -235,5 +249,7 @@ def run(args) -> int:
                "quantized_linears": rep["n_quantized"],
                "calibration": rep.get("calibration", {}).get("source", "none (no calibration)"),
                "seconds": round(rep["seconds"], 1), "out": str(args.out), "out_bytes": size}
+    if config.method == "fp8":
+        summary["act"] = config.act or "none (weight-only)"
     _print(summary, args.json)
     return 0

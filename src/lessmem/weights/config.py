@@ -14,7 +14,9 @@ Every config says how a linear layer's weight ``W [out, in]`` becomes codes:
   use the largest allowed group size that does (True) or raise (False, the default)
 
 Calibrated configs (GPTQ, AWQ, SmoothQuant) add ``n_samples`` windows of ``seq_len``
-tokens of calibration text.
+tokens of calibration text. ``FP8Config`` (float8_e4m3fn weights, per-channel float32
+scales) and ``GGUFConfig`` (llama.cpp block types) have no bits or groups: their format
+fixes them; both take ``skip`` patterns (FP8 also ``overrides``).
 
 Example:
     >>> from lessmem.weights import RTNConfig
@@ -66,8 +68,48 @@ def _check_float(name: str, owner: str, v, lo: float, hi: float, lo_open: bool =
         raise ValueError(f"{owner} {name}={v!r} must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
 
 
+class _NameRules:
+    """``skip`` and ``overrides`` of a frozen config dataclass: which config (if any) the
+    linear named ``name`` gets (shared by ``WeightConfig`` and ``FP8Config``)."""
+
+    def _norm_overrides(self, ov):
+        owner = type(self).__name__
+        items = ov.items() if isinstance(ov, dict) else ov
+        if not isinstance(items, (list, tuple, type({}.items()))) or not all(
+                isinstance(it, (list, tuple)) and len(it) == 2 for it in items):
+            raise ValueError(f"{owner} overrides={ov!r} must be a dict of name pattern -> "
+                             "{field: value} (or None: keep in full precision)")
+        out = []
+        names = {f.name for f in dataclasses.fields(self)} - {"overrides"}
+        for pat, change in items:
+            try:
+                change = dict(change) if change is not None else None
+            except (TypeError, ValueError):
+                raise ValueError(f"{owner} overrides entry {pat!r}: {change!r} must be a dict "
+                                 "{field: value} or None") from None
+            if not isinstance(pat, str) or (change is not None and not set(change) <= names):
+                bad = set(change or {}) - names
+                raise ValueError(f"{owner} overrides entry {pat!r}: {change!r}; keys must be "
+                                 f"among {', '.join(sorted(names))} (unknown: {sorted(bad)})")
+            if change is not None:  # validate now so a bad override fails at construction
+                dataclasses.replace(self, **change, overrides=())
+            out.append((pat, tuple(sorted(change.items())) if change is not None else None))
+        return tuple(out)
+
+    def for_module(self, name: str):
+        """The config for the linear named ``name``, or None to keep it in full precision."""
+        for pat, change in self.overrides:
+            if fnmatch.fnmatchcase(name, pat):
+                if change is None:
+                    return None
+                return dataclasses.replace(self, **dict(change), overrides=())
+        if any(fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p for p in self.skip):
+            return None
+        return self
+
+
 @dataclass(frozen=True)
-class WeightConfig:
+class WeightConfig(_NameRules):
     """Fields shared by every weight config (see the module doc)."""
 
     bits: int = 4
@@ -98,41 +140,6 @@ class WeightConfig:
         object.__setattr__(self, "skip", _as_patterns(owner, self.skip))
         object.__setattr__(self, "overrides", self._norm_overrides(self.overrides))
 
-    def _norm_overrides(self, ov):
-        owner = type(self).__name__
-        items = ov.items() if isinstance(ov, dict) else ov
-        if not isinstance(items, (list, tuple, type({}.items()))) or not all(
-                isinstance(it, (list, tuple)) and len(it) == 2 for it in items):
-            raise ValueError(f"{owner} overrides={ov!r} must be a dict of name pattern -> "
-                             "{field: value} (or None: keep in full precision)")
-        out = []
-        names = {f.name for f in dataclasses.fields(self)} - {"overrides"}
-        for pat, change in items:
-            try:
-                change = dict(change) if change is not None else None
-            except (TypeError, ValueError):
-                raise ValueError(f"{owner} overrides entry {pat!r}: {change!r} must be a dict "
-                                 "{field: value} or None") from None
-            if not isinstance(pat, str) or (change is not None and not set(change) <= names):
-                bad = set(change or {}) - names
-                raise ValueError(f"{owner} overrides entry {pat!r}: {change!r}; keys must be "
-                                 f"among {', '.join(sorted(names))} (unknown: {sorted(bad)})")
-            if change is not None:  # validate now so a bad override fails at construction
-                dataclasses.replace(self, **change, overrides=())
-            out.append((pat, tuple(sorted(change.items())) if change is not None else None))
-        return tuple(out)
-
-    def for_module(self, name: str) -> WeightConfig | None:
-        """The config for the linear named ``name``, or None to keep it in full precision."""
-        for pat, change in self.overrides:
-            if fnmatch.fnmatchcase(name, pat):
-                if change is None:
-                    return None
-                return dataclasses.replace(self, **dict(change), overrides=())
-        if any(fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p for p in self.skip):
-            return None
-        return self
-
     def group_for(self, name: str, in_features: int) -> int:
         """Group size to use for a layer with ``in_features`` columns (in_features if per-channel)."""
         if self.group_size is None:
@@ -160,15 +167,16 @@ class WeightConfig:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> WeightConfig:
-        """The config ``to_dict`` wrote (``method`` picks the class; default ``"rtn"``)."""
+    def from_dict(d: dict) -> WeightConfig | FP8Config:
+        """The config ``to_dict`` wrote (``method`` picks the class; default ``"rtn"``;
+        ``"fp8"`` gives an ``FP8Config``)."""
         if not isinstance(d, dict):
             raise TypeError(f"WeightConfig.from_dict needs a dict as written by to_dict(), got "
                             f"{type(d).__name__}")
         d = dict(d)
         method = d.pop("method", "rtn")
         classes = {c.method: c for c in (RTNConfig, GPTQConfig, AWQConfig, SmoothQuantConfig,
-                                         HQQConfig)}
+                                         HQQConfig, FP8Config)}
         if method not in classes:
             raise ValueError(f"method={method!r}; allowed: {', '.join(classes)}")
         cls = classes[method]
@@ -315,7 +323,7 @@ class SmoothQuantConfig(CalibratedConfig):
 
 
 __all__ = ["WeightConfig", "RTNConfig", "HQQConfig", "GPTQConfig", "AWQConfig", "SmoothQuantConfig", "GGUFConfig",
-           "CalibratedConfig", "BITS", "GROUP_SIZES"]
+           "FP8Config", "CalibratedConfig", "BITS", "GROUP_SIZES"]
 
 
 @dataclass(frozen=True)
@@ -353,3 +361,53 @@ class GGUFConfig:
 
     def to_dict(self) -> dict:
         return {"method": "gguf", "type": self.type, "skip": list(self.skip)}
+
+
+FP8_ACTS = ("fp8", None)
+FP8_FORMATS = ("e4m3",)
+
+
+@dataclass(frozen=True)
+class FP8Config(_NameRules):
+    """FP8 weights (``weights.fp8``), no calibration: each selected linear's weight is held
+    as ``float8_e4m3fn [N, K]`` with one float32 scale per output channel (max|w_row| / 448),
+    in an ``FP8Linear``: 8 + 32/K bits per weight.
+
+    - ``act``: ``"fp8"`` (W8A8: activations quantized per token to e4m3 on the fly, the
+      product through ``torch._scaled_mm``, what Hopper GPUs serve with) or ``None``
+      (weight-only W8A16: the weight is dequantized to the activations' dtype for the matmul)
+    - ``fmt``: the FP8 format of the weights; only ``"e4m3"`` (e5m2 trades mantissa for a
+      range weights do not need)
+    - ``skip`` / ``overrides``: name patterns as in ``WeightConfig`` (``lm_head`` kept in full
+      precision by default; an override may change ``act`` or, with None, keep a module float)
+
+    Example:
+        >>> FP8Config().act, FP8Config(act=None).for_module("model.layers.0.mlp.up_proj").act
+        ('fp8', None)
+        >>> FP8Config().for_module("lm_head") is None
+        True
+        >>> FP8Config(act="int8")
+        Traceback (most recent call last):
+        ...
+        ValueError: FP8Config act='int8'; allowed: 'fp8' (W8A8) or None (weight-only)
+    """
+
+    act: str | None = "fp8"
+    fmt: str = "e4m3"
+    skip: tuple[str, ...] = ("lm_head",)
+    overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+
+    method = "fp8"
+    needs_calibration = False
+
+    def __post_init__(self):
+        if not (self.act is None or (isinstance(self.act, str) and self.act in FP8_ACTS)):
+            raise ValueError(f"FP8Config act={self.act!r}; allowed: 'fp8' (W8A8) or None (weight-only)")
+        if not isinstance(self.fmt, str) or self.fmt not in FP8_FORMATS:
+            raise ValueError(f"FP8Config fmt={self.fmt!r}; allowed: {', '.join(map(repr, FP8_FORMATS))}")
+        object.__setattr__(self, "skip", _as_patterns("FP8Config", self.skip))
+        object.__setattr__(self, "overrides", self._norm_overrides(self.overrides))
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "act": self.act, "fmt": self.fmt, "skip": list(self.skip),
+                "overrides": {p: (dict(c) if c is not None else None) for p, c in self.overrides}}
