@@ -48,6 +48,21 @@ def test_batched_outputs_equal_each_request_alone(model, kv):
     assert batched == alone(model, ps, kv=kv)
 
 
+@pytest.mark.parametrize("weights", ["fp8", "rtn4"])
+def test_quantized_weights_batched_equal_alone(weights):
+    """The row plan covers lessmem's quantized linears too (FP8Linear's matmul depends on its
+    neighbours above one row, like the others' decoded-weight path)."""
+    import lessmem
+
+    torch.manual_seed(0)
+    m = tiny_random("llama")
+    cfg = lessmem.FP8Config(act="fp8") if weights == "fp8" else lessmem.RTNConfig(bits=4, group_size=32)
+    lessmem.quantize_(m, cfg, progress=False)
+    ps = prompts(4)
+    batched, _ = run(m, ps, kv="best-4")
+    assert batched == alone(m, ps, kv="best-4")
+
+
 def test_fp16_engine_equals_transformers_generate(model):
     ps = prompts(3)
     out, _ = run(model, ps, kv="fp16")

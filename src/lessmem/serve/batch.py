@@ -143,9 +143,10 @@ def _invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _invariant_own(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A quantized linear (``GGUFLinear``, ``QuantLinear``): its fused kernel computes each row
-    on its own up to ``FUSED_MAX_ROWS`` rows, but above that it decodes the weight for BLAS,
-    whose rows depend on their neighbours. So the plan keeps the decode rows in tiles of
+    """A quantized linear (``GGUFLinear``, ``QuantLinear``, ``FP8Linear``): its fused kernel
+    computes each row on its own up to ``FUSED_MAX_ROWS`` rows, but above that it decodes the
+    weight for BLAS (``FP8Linear``: one matmul at any size; cuBLAS picks its algorithm by the
+    row count), whose rows depend on their neighbours. So the plan keeps the decode rows in tiles of
     :data:`TILE` (the fused kernel) and each prompt chunk alone, as for ``nn.Linear``."""
     plan = _PLAN.get()
     forward = type(module).forward
@@ -178,10 +179,11 @@ class RowPlan:
     the plan of each step (:meth:`step`); :meth:`remove` restores them."""
 
     def __init__(self, model: torch.nn.Module):
+        from ..weights.fp8 import FP8Linear
         from ..weights.gguf_linear import GGUFLinear
         from ..weights.qlinear import QuantLinear
 
-        own = (GGUFLinear, QuantLinear)
+        own = (GGUFLinear, QuantLinear, FP8Linear)
         self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear or isinstance(m, own)]
         for m in self.modules:
             m.forward = (_invariant_linear if type(m) is torch.nn.Linear else _invariant_own).__get__(m)
