@@ -47,6 +47,7 @@ from torch import nn
 from ..formats.gguf import GGUF_TYPES
 from ..formats.gguf_file import read_gguf_header
 from ..kernels import gguf_linear_cpp as kernel
+from ..kernels import linear_ops  # noqa: F401  (registers torch.ops.lessmem.gguf_dequantize)
 from .arch import set_module
 from .gguf_linear import GGUFLinear
 
@@ -119,7 +120,8 @@ class GGUFEmbedding(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.num_embeddings}), got "
                              f"{int(flat.min())}..{int(flat.max())}")
         rows = self.qweight.index_select(0, flat.to(self.qweight.device))
-        out = kernel.gguf_dequantize(rows, self._type, rows.shape[0], self.embedding_dim)
+        # the op: C++ on the CPU, the Triton decoder on CUDA (kernels.linear_ops)
+        out = torch.ops.lessmem.gguf_dequantize(rows, self._type.ggml_id, rows.shape[0], self.embedding_dim)
         return out.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
