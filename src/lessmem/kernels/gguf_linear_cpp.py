@@ -57,12 +57,21 @@ from ._build import load_cpp_file
 # The C++ source: csrc/gguf_linear.cpp (shipped as package data).
 _SOURCE_FILE = "gguf_linear.cpp"
 
-_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize"]
+_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "register_ops"]
 _FLAGS = ["-ffp-contract=off"]  # decoders must not fuse d*q + m into one rounding
 
 
 def _mod():
-    return load_cpp_file("lessmem_gguf_linear", _SOURCE_FILE, _FUNCS, _FLAGS)
+    """The compiled module (None without a compiler); registers the CPU kernels of
+    ``torch.ops.lessmem.gguf_linear`` / ``gguf_dequantize`` (``linear_ops``) when first loaded."""
+    m = load_cpp_file("lessmem_gguf_linear", _SOURCE_FILE, _FUNCS, _FLAGS)
+    if m is not None and m not in _REGISTERED:
+        m.register_ops()
+        _REGISTERED.append(m)
+    return m
+
+
+_REGISTERED: list = []  # the module whose CPU kernels are registered (one per process)
 
 
 def available() -> bool:

@@ -26,7 +26,7 @@ The int8 halves are laid out per 32-code block in the order the decode produces,
 hot loop has no shuffles; per group, ``256·hi_sum + lo_sum`` is formed in int32 and scaled
 once in float. The zero-point term and the factors ``s·d`` are computed per weight row in
 8-lane steps over the groups. Up to 4 activation rows share one decode (batch 2..16 runs in
-tiles of 4 rows). Layers with fewer than ``PAR_MIN_WORK`` multiply-adds run on one thread
+tiles of 4 rows). Layers with fewer than ``PAR_MIN_WORK`` (64k) multiply-adds run on one thread
 (an OpenMP region's wake-up costs more than they take). Without AVX2/FMA/F16C (or built with
 ``-DLESSMEM_NO_SIMD``) the same integer math runs in plain C++; ``-DLESSMEM_NO_VNNI`` /
 ``-DLESSMEM_NO_VBMI`` select the AVX2 fallbacks (the tests build all three). Group sizes:
@@ -61,11 +61,21 @@ from ._build import load_cpp_file
 # The C++ source: csrc/linear.cpp (shipped as package data).
 _SOURCE_FILE = "linear.cpp"
 
-_FUNCS = ["int8_linear", "w8a8_linear", "lowbit_linear", "simd_build"]
+_FUNCS = ["int8_linear", "w8a8_linear", "lowbit_linear", "simd_build", "register_ops"]
 
 
 def _mod(extra_cflags: tuple[str, ...] = ()):
-    return load_cpp_file("lessmem_linear", _SOURCE_FILE, _FUNCS, list(extra_cflags) or None)
+    """The compiled module (None without a compiler); the default build registers the CPU
+    kernels of ``torch.ops.lessmem.*_linear`` (``linear_ops``) when first loaded, a build
+    with other flags never does."""
+    m = load_cpp_file("lessmem_linear", _SOURCE_FILE, _FUNCS, list(extra_cflags) or None)
+    if m is not None and not extra_cflags and m not in _REGISTERED:
+        m.register_ops()
+        _REGISTERED.append(m)
+    return m
+
+
+_REGISTERED: list = []  # the module whose CPU kernels are registered (one per process)
 
 
 def available() -> bool:

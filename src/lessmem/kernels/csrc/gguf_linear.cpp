@@ -482,9 +482,11 @@ torch::Tensor gguf_dequantize(torch::Tensor w, int64_t type, int64_t N, int64_t 
 
 // ---------------------------------------------------------------- the op's CPU backend
 // torch.ops.lessmem.gguf_linear / gguf_dequantize (schemas: kernels/linear_ops.py) dispatch
-// here for CPU tensors without a Python frame. Arguments are checked first; a bad one is
-// a ValueError naming it and what is allowed (the kernels above read buffers unchecked).
+// here for CPU tensors without a Python frame once register_ops() has run (called by the
+// Python wrapper for the default build). Arguments are checked first; a bad one is a
+// ValueError naming it and what is allowed (the kernels above read buffers unchecked).
 #include <torch/library.h>
+#include <memory>
 
 static void traits_of(int64_t type, int64_t& qk, int64_t& ts) {
   switch (type) {
@@ -528,7 +530,12 @@ static torch::Tensor op_gguf_dequantize(const torch::Tensor& raw, int64_t type, 
   return gguf_dequantize(raw, type, N, K);
 }
 
-TORCH_LIBRARY_IMPL(lessmem, CPU, m) {
-  m.impl("gguf_linear", &op_gguf_linear);
-  m.impl("gguf_dequantize", &op_gguf_dequantize);
+static std::unique_ptr<torch::Library> cpu_impls;
+
+void register_ops() {
+  if (cpu_impls) return;
+  cpu_impls = std::make_unique<torch::Library>(torch::Library::IMPL, "lessmem", c10::DispatchKey::CPU,
+                                               __FILE__, __LINE__);
+  cpu_impls->impl("gguf_linear", &op_gguf_linear);
+  cpu_impls->impl("gguf_dequantize", &op_gguf_dequantize);
 }

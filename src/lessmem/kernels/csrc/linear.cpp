@@ -20,8 +20,13 @@
 #endif
 
 // Small layers run on one thread: a parallel region's wake-up and barrier cost more than
-// the work below ~4M multiply-adds (and much more on a machine shared with other jobs).
-#define PAR_MIN_WORK 4194304
+// the work below 64k multiply-adds. (It was 4M while lessmem let OpenMP threads sleep
+// between regions; with the brief spin lessmem sets, the wake-up is cheap and every decode
+// linear of a 135M model gains from the second thread, as the GGUF kernel's did.)
+// -DPAR_MIN_WORK=N overrides it (benchmarks).
+#ifndef PAR_MIN_WORK
+#define PAR_MIN_WORK 65536
+#endif
 
 static inline float h2f(const at::Half h) {
 #ifdef LM_AVX2
@@ -408,12 +413,13 @@ int64_t simd_build() {
 
 // ---------------------------------------------------------------- the ops' CPU backends
 // torch.ops.lessmem.lowbit_linear / int8_linear / w8a8_linear (schemas: kernels/linear_ops.py)
-// dispatch here for CPU tensors without a Python frame. Arguments are checked first; a bad
-// one is a ValueError naming it and what is allowed (the kernels above read unchecked).
-// Builds with a kernel variant forced (the tests' -DLESSMEM_NO_* builds) register nothing:
-// the ops keep the default build's kernels.
-#if !defined(LESSMEM_NO_SIMD) && !defined(LESSMEM_NO_VNNI) && !defined(LESSMEM_NO_VBMI)
+// dispatch here for CPU tensors without a Python frame once register_ops() has run (the
+// Python wrapper calls it for the default build only: a build with other flags, as the
+// tests and benchmarks make, must not replace the ops' kernels). Arguments are checked
+// first; a bad one is a ValueError naming it and what is allowed (the kernels above read
+// unchecked).
 #include <torch/library.h>
+#include <memory>
 
 #define CHECK_DTYPE(op, name, t, want) TORCH_CHECK_VALUE((t).scalar_type() == (want), op ": " name " dtype ", \
                                                          (t).scalar_type(), "; allowed: ", (want))
@@ -478,9 +484,13 @@ static torch::Tensor op_w8a8_linear(const torch::Tensor& xq, const torch::Tensor
   return w8a8_linear(xq, sx.to(torch::kFloat32), w, scale.reshape({-1}));
 }
 
-TORCH_LIBRARY_IMPL(lessmem, CPU, m) {
-  m.impl("lowbit_linear", &op_lowbit_linear);
-  m.impl("int8_linear", &op_int8_linear);
-  m.impl("w8a8_linear", &op_w8a8_linear);
+static std::unique_ptr<torch::Library> cpu_impls;
+
+void register_ops() {
+  if (cpu_impls) return;
+  cpu_impls = std::make_unique<torch::Library>(torch::Library::IMPL, "lessmem", c10::DispatchKey::CPU,
+                                               __FILE__, __LINE__);
+  cpu_impls->impl("lowbit_linear", &op_lowbit_linear);
+  cpu_impls->impl("int8_linear", &op_int8_linear);
+  cpu_impls->impl("w8a8_linear", &op_w8a8_linear);
 }
-#endif
