@@ -49,7 +49,8 @@ QUANTIZERS[r"lm([1-6])"] = lambda x, m, **kw: quantize_codebook(x, int(m.group(1
 # how format_names() spells a pattern for people (default: the pattern itself)
 _LABELS = {_FP8: "fp8-e4m3 (=fp8-e4m3fn), fp8-e4m3fnuz, fp8-e5m2, fp8-e5m2fnuz",
            r"lm([1-6])": "lm1..lm6"}
-# GGUF block formats, raw llama.cpp bytes: q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k
+# GGUF block formats, raw llama.cpp bytes: q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k,
+# iq4_nl iq4_xs (the last two encode/decode only, no kernel)
 QUANTIZERS[GGUF_PATTERN] = lambda x, m, **kw: quantize_gguf_qtensor(x, m.group(0), **kw)
 
 

@@ -14,6 +14,12 @@ K-quants: super-blocks of 256 elements with quantized sub-block scales (see
 ``gguf_kquants``): Q2_K 84 B (2.625 bpw), Q3_K 110 B (3.4375), Q4_K 144 B (4.5),
 Q5_K 176 B (5.5), Q6_K 210 B (6.5625).
 
+Non-linear 4-bit (``gguf_iquants``): IQ4_NL 18 B per 32 (4.5 bpw) and IQ4_XS 136 B per
+256 (4.25 bpw), indices into a fixed 16-level table. They are encode/decode only:
+registered in ``GGUF_IQ_TYPES`` (``gguf_type``, ``quantize_gguf``, ``dequantize_gguf`` and
+``quantize(x, "IQ4_XS")`` take them), not in ``GGUF_TYPES``, which lists the types the
+GGUF linear kernels decode.
+
 Blocks run along the last dimension, which must be a multiple of the block size. The
 quantizers write the bytes llama.cpp's reference quantizers write (``quantize_row_*_ref``,
 or with an importance matrix ``quantize_<type>(..., quant_weights)``): the same float32
@@ -49,6 +55,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import gguf_iquants as iq
 from . import gguf_kquants as kq
 from . import gguf_legacy as lg
 from .gguf_legacy import fp16_at, row_weights
@@ -92,6 +99,19 @@ GGUF_TYPES: dict[str, GGUFType] = {
     )
 }
 
+# Encode/decode-only types (``gguf_iquants``): ``gguf_type``, ``quantize_gguf``,
+# ``dequantize_gguf`` and ``quantize(x, "IQ4_NL")`` know them, but they are kept out of
+# ``GGUF_TYPES``, the list the GGUF linear kernels, the loader, the exporter's mixes and
+# the planner iterate over, since no kernel decodes them yet.
+GGUF_IQ_TYPES: dict[str, GGUFType] = {
+    t.name: t
+    for t in (
+        GGUFType("iq4_nl", 20, 32, 18, 4, (0,), iq.quantize_iq4_nl, iq.dequantize_iq4_nl),
+        GGUFType("iq4_xs", 23, 256, 136, 4, (0,), iq.quantize_iq4_xs, iq.dequantize_iq4_xs),
+    )
+}
+_ALL_TYPES: dict[str, GGUFType] = {**GGUF_TYPES, **GGUF_IQ_TYPES}
+
 
 def gguf_type(qtype) -> GGUFType:
     """Look up a GGUF type by name ("Q4_K", "q4_k"), ggml id (12) or enum with ``.name``.
@@ -105,13 +125,13 @@ def gguf_type(qtype) -> GGUFType:
     key = qtype
     if not isinstance(qtype, (str, int)) and hasattr(qtype, "name"):
         key = qtype.name
-    if isinstance(key, str) and key.lower() in GGUF_TYPES:
-        return GGUF_TYPES[key.lower()]
+    if isinstance(key, str) and key.lower() in _ALL_TYPES:
+        return _ALL_TYPES[key.lower()]
     if isinstance(key, int) and not isinstance(key, bool):
-        for t in GGUF_TYPES.values():
+        for t in _ALL_TYPES.values():
             if t.ggml_id == key:
                 return t
-    allowed = ", ".join(t.upper() for t in GGUF_TYPES)
+    allowed = ", ".join(t.upper() for t in _ALL_TYPES)
     raise ValueError(f"GGUF type {qtype!r} is not supported; allowed: {allowed}")
 
 
@@ -185,7 +205,7 @@ def quantize_gguf(x, qtype, imatrix=None) -> np.ndarray:
     if imatrix is not None:
         n = int(x.shape[-1])
         w = _as_imatrix(imatrix, n)
-        if t.block_size == 256:  # K-quants: the weights are formed per super-block
+        if t.block_size == 256 or t.name in GGUF_IQ_TYPES:  # weights formed per (super-)block
             qw = np.broadcast_to(w, (rows.size // n, n)).reshape(rows.shape)
         elif t.name != "q8_0":  # legacy: per row; Q8_0 has no weighted variant (as llama.cpp)
             qw = row_weights(rows.reshape(-1, n), w).reshape(rows.shape)
@@ -243,8 +263,9 @@ def dequantize_gguf(raw, qtype, shape) -> torch.Tensor:
 
 
 # K-quant sub-block size and sub-scale bits (the QTensor's granularity descriptor)
-_K_SUBBLOCKS = {"q2_k": (16, 4), "q3_k": (16, 6), "q4_k": (32, 6), "q5_k": (32, 6), "q6_k": (16, 8)}
-_SYMMETRIC = ("q4_0", "q5_0", "q8_0", "q3_k", "q6_k")  # no min / zero point stored
+_K_SUBBLOCKS = {"q2_k": (16, 4), "q3_k": (16, 6), "q4_k": (32, 6), "q5_k": (32, 6), "q6_k": (16, 8),
+                "iq4_xs": (32, 6)}
+_SYMMETRIC = ("q4_0", "q5_0", "q8_0", "q3_k", "q6_k", "iq4_nl", "iq4_xs")  # no min / zero point stored
 
 
 def quantize_gguf_qtensor(x, qtype, **options) -> QTensor:
@@ -285,6 +306,6 @@ def _dequantize_qtensor(qt: QTensor) -> torch.Tensor:
 DEQUANTIZERS["gguf"] = _dequantize_qtensor
 
 # regex for formats.QUANTIZERS: every GGUF type name
-GGUF_PATTERN = "|".join(GGUF_TYPES)
+GGUF_PATTERN = "|".join(_ALL_TYPES)
 
-__all__ = ["GGUF_TYPES", "GGUFType", "gguf_type", "quantize_gguf", "dequantize_gguf", "quantize_gguf_qtensor"]
+__all__ = ["GGUF_TYPES", "GGUF_IQ_TYPES", "GGUFType", "gguf_type", "quantize_gguf", "dequantize_gguf", "quantize_gguf_qtensor"]

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.gguf import gguf_type
+from ..formats.gguf import GGUF_TYPES, gguf_type
 from . import gguf_linear_torch as fallback
 from ._build import load_cpp_file
 
@@ -82,6 +82,9 @@ def available() -> bool:
 def check_shape(qtype, out_features: int, in_features: int):
     """Validate a ``[N, K]`` weight shape for ``qtype`` (K whole blocks); returns the GGUFType."""
     t = gguf_type(qtype)  # ValueError naming the allowed types
+    if t.name not in GGUF_TYPES:  # a type formats can encode but no kernel multiplies (IQ4_NL/XS)
+        raise ValueError(f"GGUF type {t.name.upper()} has no dequant-matmul kernel; allowed for a layer: "
+                         f"{', '.join(n.upper() for n in GGUF_TYPES)}")
     n, k = out_features, in_features
     if k != int(k) or k <= 0 or k % t.block_size:
         raise ValueError(f"in_features={k} must be a positive multiple of the {t.name.upper()} "

@@ -52,7 +52,7 @@ import warnings
 
 import torch
 
-from ..formats.gguf import gguf_type
+from ..formats.gguf import GGUF_TYPES, gguf_type
 from . import gguf_linear_cpp, gguf_linear_torch, linear_cpp, linear_torch
 from .ops import LIB
 
@@ -72,7 +72,11 @@ def ggml_type(qtype: int):
     """The ``GGUFType`` of ggml type id ``qtype`` (ValueError naming the types allowed)."""
     t = _GGML_TYPES.get(qtype)
     if t is None:
-        t = _GGML_TYPES[qtype] = gguf_type(int(qtype))
+        t = gguf_type(int(qtype))
+        if t.name not in GGUF_TYPES:  # encodable (IQ4_NL/XS) but not multiplied by any kernel
+            raise ValueError(f"GGUF type {t.name.upper()} (ggml id {qtype}) has no dequant-matmul kernel; "
+                             f"allowed: {', '.join(n.upper() for n in GGUF_TYPES)}")
+        _GGML_TYPES[qtype] = t
     return t
 
 
