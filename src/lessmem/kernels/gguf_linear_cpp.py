@@ -2,7 +2,8 @@
 
 The weight ``W [N, K]`` stays in the bytes a ``.gguf`` file stores (uint8
 ``[N, K / block_size * type_size]``), for all ten block types of ``formats.gguf``
-(Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K). Per output row ``n`` (rows handed
+(Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K) and IQ4_NL / IQ4_XS
+(``KERNEL_TYPES``; the codes are table levels, ``w = scale · level``). Per output row ``n`` (rows handed
 out in chunks of 16 to ``torch.get_num_threads()`` threads) and per chunk of up to 8 input
 rows:
 
@@ -57,6 +58,10 @@ from ._build import load_cpp_file
 # The C++ source: csrc/gguf_linear.cpp (shipped as package data).
 _SOURCE_FILE = "gguf_linear.cpp"
 
+# The block types the fused kernels (C++ and the torch fallback) multiply: the ten of
+# ``GGUF_TYPES`` and the non-linear 4-bit IQ4_NL / IQ4_XS (``formats.gguf_iquants``).
+KERNEL_TYPES = (*GGUF_TYPES, "iq4_nl", "iq4_xs")
+
 _FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "register_ops"]
 _FLAGS = ["-ffp-contract=off"]  # decoders must not fuse d*q + m into one rounding
 
@@ -82,9 +87,9 @@ def available() -> bool:
 def check_shape(qtype, out_features: int, in_features: int):
     """Validate a ``[N, K]`` weight shape for ``qtype`` (K whole blocks); returns the GGUFType."""
     t = gguf_type(qtype)  # ValueError naming the allowed types
-    if t.name not in GGUF_TYPES:  # a type formats can encode but no kernel multiplies (IQ4_NL/XS)
+    if t.name not in KERNEL_TYPES:  # a type formats can encode but no kernel multiplies
         raise ValueError(f"GGUF type {t.name.upper()} has no dequant-matmul kernel; allowed for a layer: "
-                         f"{', '.join(n.upper() for n in GGUF_TYPES)}")
+                         f"{', '.join(n.upper() for n in KERNEL_TYPES)}")
     n, k = out_features, in_features
     if k != int(k) or k <= 0 or k % t.block_size:
         raise ValueError(f"in_features={k} must be a positive multiple of the {t.name.upper()} "

@@ -144,8 +144,35 @@ def _q6_k(r):
     return (d * q.reshape(-1, 16, 16)).reshape(-1, QK_K)
 
 
+# ---------------------------------------------------------------- IQ4_NL / IQ4_XS (formats.gguf_iquants)
+
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_levels(qs: torch.Tensor) -> torch.Tensor:
+    """[B, 16k] bytes -> [B, 32k] float32 table levels, per run of 32: low nibbles, then high."""
+    table = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=qs.device)
+    n = qs.shape[0]
+    idx = qs.reshape(n, -1, 1, 16) >> torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).view(1, 1, 2, 1)
+    return table[(idx & 0x0F).long()].reshape(n, -1)
+
+
+def _iq4_nl(r):
+    return _fp16_at(r, 0) * _iq4_levels(r[:, 2:18])
+
+
+def _iq4_xs(r):
+    sh = r[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [B, 1], little-endian u16
+    sl = r[:, 4:8].int()
+    ib = torch.arange(8, device=r.device)
+    ls = ((sl[:, ib // 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4)
+    dl = (_fp16_at(r, 0) * (ls - 32).float())[:, :, None]
+    return (dl * _iq4_levels(r[:, 8:136]).reshape(-1, 8, 32)).reshape(-1, QK_K)
+
+
 DECODERS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0,
-            "q2_k": _q2_k, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+            "q2_k": _q2_k, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
+            "iq4_nl": _iq4_nl, "iq4_xs": _iq4_xs}
 
 
 def decode_rows(raw: torch.Tensor, t, rows: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ import warnings
 
 import torch
 
-from ..formats.gguf import GGUF_TYPES, gguf_type
+from ..formats.gguf import gguf_type
 from . import gguf_linear_cpp, gguf_linear_torch, linear_cpp, linear_torch
 from .ops import LIB
 
@@ -73,9 +73,9 @@ def ggml_type(qtype: int):
     t = _GGML_TYPES.get(qtype)
     if t is None:
         t = gguf_type(int(qtype))
-        if t.name not in GGUF_TYPES:  # encodable (IQ4_NL/XS) but not multiplied by any kernel
+        if t.name not in gguf_linear_cpp.KERNEL_TYPES:  # encodable but not multiplied by any kernel
             raise ValueError(f"GGUF type {t.name.upper()} (ggml id {qtype}) has no dequant-matmul kernel; "
-                             f"allowed: {', '.join(n.upper() for n in GGUF_TYPES)}")
+                             f"allowed: {', '.join(n.upper() for n in gguf_linear_cpp.KERNEL_TYPES)}")
         _GGML_TYPES[qtype] = t
     return t
 

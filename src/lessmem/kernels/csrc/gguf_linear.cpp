@@ -1,5 +1,5 @@
 // Fused GGUF dequant-matmul (gguf_linear) and block dequantizer (gguf_dequantize) for the
-// ten GGUF block types. Compiled at first use (with -ffp-contract=off) by
+// ten GGUF block types and IQ4_NL / IQ4_XS. Compiled at first use (with -ffp-contract=off) by
 // lessmem/kernels/_build.py; the Python wrappers and the design in words are in
 // lessmem/kernels/gguf_linear_cpp.py; the reference twin is gguf_linear_reference.py.
 #include <torch/extension.h>
@@ -75,7 +75,10 @@ static inline float vsum(V16 a) { float s = 0.f; for (int i = 0; i < 16; ++i) s 
 //   asym (ASYM = 1):  w = a[g] * (float)q + b[g]        (Q4_1 Q5_1 Q2_K Q4_K Q5_K)
 // -- the float32 operations of formats/gguf*.py's dequantizers, in their order ((float)q -
 // OFF is exact, and x - y == x + (-y) in IEEE, so K-quants' (d*sc)*q - (dmin*m) is b = -(dmin*m)).
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// IQ4_NL / IQ4_XS: the code is kvalues_iq4nl[index] + 128 (OFF 128), so (float)q - OFF is the
+// table level exactly and w = scale * level, as formats/gguf_iquants.py decodes.
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       IQ4_NL = 20, IQ4_XS = 23 };
 
 template <int T> struct Traits;  // QK elements per block, TS bytes per block
 template <> struct Traits<Q4_0> { static constexpr int QK = 32, TS = 18, ASYM = 0, OFF = 8; };
@@ -88,6 +91,8 @@ template <> struct Traits<Q3_K> { static constexpr int QK = 256, TS = 110, ASYM 
 template <> struct Traits<Q4_K> { static constexpr int QK = 256, TS = 144, ASYM = 1, OFF = 0; };
 template <> struct Traits<Q5_K> { static constexpr int QK = 256, TS = 176, ASYM = 1, OFF = 0; };
 template <> struct Traits<Q6_K> { static constexpr int QK = 256, TS = 210, ASYM = 0, OFF = 32; };
+template <> struct Traits<IQ4_NL> { static constexpr int QK = 32, TS = 18, ASYM = 0, OFF = 128; };
+template <> struct Traits<IQ4_XS> { static constexpr int QK = 256, TS = 136, ASYM = 0, OFF = 128; };
 
 static inline void nibbles32(const uint8_t* qs, uint8_t* q) {  // low nibbles 0..15, high 16..31
   #pragma omp simd
@@ -222,6 +227,37 @@ template <> inline void decode<Q6_K>(const uint8_t* b, uint8_t* q, float* a, flo
     }
   const float d = h2f(b + 208);
   for (int s = 0; s < 16; ++s) a[s] = d * (float)sc[s];
+}
+
+// IQ4_NL / IQ4_XS: 4-bit indices into kvalues_iq4nl (-127 -104 -83 -65 -49 -35 -22 -10 1 13 25
+// 38 53 69 89 113), held as level + 128. Per run of 32: index j in the low nibble of qs[j],
+// j + 16 in the high nibble.
+alignas(16) static const uint8_t KV_IQ4NL_128[16] = {1, 24, 45, 63, 79, 93, 106, 118,
+                                                     129, 141, 153, 166, 181, 197, 217, 241};
+static inline void iq4_codes32(const uint8_t* qs, uint8_t* q) {
+#if defined(__SSSE3__)
+  const __m128i tbl = _mm_load_si128((const __m128i*)KV_IQ4NL_128), m4 = _mm_set1_epi8(15);
+  const __m128i v = _mm_loadu_si128((const __m128i*)qs);
+  _mm_storeu_si128((__m128i*)q, _mm_shuffle_epi8(tbl, _mm_and_si128(v, m4)));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+#else
+  for (int j = 0; j < 16; ++j) { q[j] = KV_IQ4NL_128[qs[j] & 15]; q[j + 16] = KV_IQ4NL_128[qs[j] >> 4]; }
+#endif
+}
+// IQ4_NL: d, qs[16]. w = d * level
+template <> inline void decode<IQ4_NL>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  iq4_codes32(b + 2, q); a[0] = a[1] = h2f(b);
+}
+// IQ4_XS: d, scales_h (u16 LE), scales_l[4], qs[128]; sub-block ib of 32 has the 6-bit scale
+// ls = (nibble ib%2 of scales_l[ib/2]) | (bits 2ib..2ib+1 of scales_h) << 4. w = (d*(ls-32)) * level
+template <> inline void decode<IQ4_XS>(const uint8_t* b, uint8_t* q, float* a, float*) {
+  const int sh = b[2] | (b[3] << 8); const uint8_t* sl = b + 4; const uint8_t* qs = b + 8;
+  const float d = h2f(b);
+  for (int ib = 0; ib < 8; ++ib) {
+    iq4_codes32(qs + 16 * ib, q + 32 * ib);
+    const int ls = ((sl[ib >> 1] >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+    a[2 * ib] = a[2 * ib + 1] = d * (float)(ls - 32);
+  }
 }
 
 // The 16 weights of group g, exactly as the reference decodes them.
@@ -434,6 +470,7 @@ static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
   case Q8_0: F<Q8_0>(__VA_ARGS__); break; case Q2_K: F<Q2_K>(__VA_ARGS__); break; \
   case Q3_K: F<Q3_K>(__VA_ARGS__); break; case Q4_K: F<Q4_K>(__VA_ARGS__); break; \
   case Q5_K: F<Q5_K>(__VA_ARGS__); break; case Q6_K: F<Q6_K>(__VA_ARGS__); break; \
+  case IQ4_NL: F<IQ4_NL>(__VA_ARGS__); break; case IQ4_XS: F<IQ4_XS>(__VA_ARGS__); break; \
   default: TORCH_CHECK(false, "unknown ggml type id ", type); }
 
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N, torch::Tensor bias) {
@@ -495,9 +532,10 @@ static void traits_of(int64_t type, int64_t& qk, int64_t& ts) {
     case Q8_0: qk = 32; ts = 34; break; case Q2_K: qk = 256; ts = 84; break;
     case Q3_K: qk = 256; ts = 110; break; case Q4_K: qk = 256; ts = 144; break;
     case Q5_K: qk = 256; ts = 176; break; case Q6_K: qk = 256; ts = 210; break;
+    case IQ4_NL: qk = 32; ts = 18; break; case IQ4_XS: qk = 256; ts = 136; break;
     default: TORCH_CHECK_VALUE(false, "GGUF type ", type, " is not supported; allowed: the ggml ids 2 (Q4_0), "
                                "3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), "
-                               "13 (Q5_K), 14 (Q6_K)");
+                               "13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL), 23 (IQ4_XS)");
   }
 }
 
