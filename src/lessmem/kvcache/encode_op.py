@@ -18,8 +18,8 @@ Example:
     >>> import torch
     >>> from lessmem.kvcache.presets import resolve
     >>> enc = encode_chunk(torch.randn(1, 2, 32, 64), resolve("int4").keys)
-    >>> tuple(enc.codes.shape), tuple(enc.scale.shape), enc.zero_point is None
-    ((1, 2, 32, 32), (1, 2, 32, 1), True)
+    >>> tuple(enc.codes.shape), tuple(enc.scale.shape), tuple(enc.zero_point.shape)  # uint keys
+    ((1, 2, 32, 32), (1, 2, 32, 1), (1, 2, 32, 1))
 """
 
 from __future__ import annotations
