@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lessmem.formats.gguf import GGUF_TYPES, quantize_gguf
+from lessmem.formats.gguf import gguf_type, quantize_gguf
 from lessmem.formats.packing import pack_bits
 
 
@@ -31,7 +31,7 @@ def gguf_rows(t, n, k, seed):
 def random_gguf_blocks(t, n, k, seed):
     """Random bytes for every field (all code bits, scale bits, signs), finite fp16 scales;
     a subnormal and exact zeros among them, which must decode like the reference."""
-    gt = GGUF_TYPES[t]
+    gt = gguf_type(t)
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n * k // gt.block_size, gt.type_size), dtype=np.uint8)
     for off in gt.fp16_offsets:

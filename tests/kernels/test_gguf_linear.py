@@ -11,14 +11,14 @@ from _cases import random_gguf_blocks as _random_blocks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lessmem
-from lessmem.formats.gguf import GGUF_TYPES, dequantize_gguf, quantize_gguf
+from lessmem.formats.gguf import dequantize_gguf, gguf_type, quantize_gguf
 from lessmem.kernels import gguf_linear_cpp as kern
 from lessmem.kernels.gguf_linear_reference import gguf_linear_ref, gguf_weight_ref
 from lessmem.models import tiny_random
 from lessmem.weights.gguf_apply import apply_gguf
 from lessmem.weights.gguf_linear import GGUFLinear
 
-TYPES = list(GGUF_TYPES)  # all ten: q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k
+TYPES = list(kern.KERNEL_TYPES)  # the ten of GGUF_TYPES and iq4_nl, iq4_xs
 
 
 @pytest.fixture(params=["cpp", "torch"])
@@ -42,7 +42,7 @@ def test_fused_matches_reference(backend, t, m):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("t", ["q4_0", "q5_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("t", ["q4_0", "q5_1", "q4_k", "q6_k", "iq4_xs"])
 def test_threaded_large_layers(t):
     """Over ~1M weights the rows are split across threads (the pool): same results."""
     n, k = 613, 2048
@@ -112,7 +112,7 @@ def test_gguf_linear_module(t, m):
     x = torch.randn(m, 256)
     ref = x.double() @ w_hat.double().T + lin.bias.double()
     torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=1e-5)
-    assert q.nbytes == 45 * 256 * GGUF_TYPES[t].bits_per_weight / 8 + 45 * 4
+    assert q.nbytes == 45 * 256 * gguf_type(t).bits_per_weight / 8 + 45 * 4
     assert q(x.bfloat16()).dtype == torch.bfloat16
 
 

@@ -1,8 +1,8 @@
-"""IQ4_NL / IQ4_XS in the fused GGUF dequant-matmul (C++ and its torch fallback,
-``gguf_linear_torch``) against the test oracle ``gguf_linear_reference`` and the numpy
-decoders of ``formats.gguf_iquants``; GGUFLinear and ``torch.ops.lessmem.gguf_linear``."""
+"""IQ4_NL / IQ4_XS beyond what ``test_gguf_linear.py`` runs for every kernel type (its
+``TYPES`` include them: fused vs the oracle, decoders bit for bit on random bytes, threads):
+GGUFLinear close to the float layer, ``torch.ops.lessmem.gguf_linear`` with and without
+int8 activations (no int8 path for IQ types), and the refusals."""
 
-import numpy as np
 import pytest
 import torch
 from _cases import gguf_rows as _raw
@@ -10,81 +10,15 @@ from _cases import gguf_rows as _raw
 from lessmem.formats.gguf import GGUF_IQ_TYPES, dequantize_gguf, quantize_gguf
 from lessmem.kernels import gguf_linear_cpp as kern
 from lessmem.kernels import linear_ops
-from lessmem.kernels.gguf_linear_reference import gguf_linear_ref
 from lessmem.weights.gguf_linear import GGUFLinear
 
 TYPES = ["iq4_nl", "iq4_xs"]
 OPS = torch.ops.lessmem
 
 
-@pytest.fixture(params=["cpp", "torch"])
-def backend(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(kern, "_mod", lambda: None)
-    elif not kern.available():
-        pytest.skip("no C++ compiler: only the torch fallback runs")
-    return request.param
-
-
-def _random_blocks(t, n, k, seed):
-    """Random bytes for every field (all index and scale bits), finite fp16 ``d``; a
-    subnormal and exact zeros among them, which must decode like the reference."""
-    gt = GGUF_IQ_TYPES[t]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n * k // gt.block_size, gt.type_size), dtype=np.uint8)
-    v = rng.uniform(-2, 2, size=blocks.shape[0]).astype(np.float16)
-    v[::7] = np.float16(6e-6)
-    v[::11] = 0
-    blocks[:, 0:2] = v.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(blocks.reshape(n, -1))
-
-
 def test_kernel_types():
     assert kern.KERNEL_TYPES[-2:] == ("iq4_nl", "iq4_xs") and len(kern.KERNEL_TYPES) == 12
     assert linear_ops.ggml_type(20).name == "iq4_nl" and linear_ops.ggml_type(23).name == "iq4_xs"
-
-
-@pytest.mark.parametrize("t", TYPES)
-@pytest.mark.parametrize("m", [1, 5, 17])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_matches_reference(backend, t, m, with_bias):
-    n, k = 37, 512  # odd N; two IQ4_XS super-blocks, 16 IQ4_NL blocks per row
-    raw = _raw(t, n, k, seed=m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
-    b = torch.randn(n, generator=torch.Generator().manual_seed(m)) if with_bias else None
-    y = kern.gguf_linear(x, raw, t, n, bias=b)
-    ref = gguf_linear_ref(x, raw, t, n) + (b if with_bias else 0)
-    assert y.shape == (m, n) and y.dtype == torch.float32
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("t", TYPES)
-def test_decoders_bit_identical(backend, t):
-    n, k = 6, 512
-    for raw in (_raw(t, n, k, seed=1), _random_blocks(t, n, k, seed=2)):
-        ref = dequantize_gguf(raw, t, (n, k))
-        dq = kern.gguf_dequantize(raw, t, n, k)
-        assert dq.numpy().tobytes() == ref.numpy().tobytes()  # every bit, signs of zero too
-        # the fused path on one-hot inputs returns each weight exactly
-        assert torch.equal(kern.gguf_linear(torch.eye(k), raw, t, n).T, ref)
-
-
-@pytest.mark.parametrize("t", TYPES)
-def test_threaded_large_layer(t):
-    """Over ~1M weights the rows are split across threads: same results."""
-    n, k = 613, 2048
-    raw = _raw(t, n, k, seed=7)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(max(2, threads))
-        for m in (1, 9):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            ref = gguf_linear_ref(x, raw, t, n)
-            torch.testing.assert_close(kern.gguf_linear(x, raw, t, n), ref, rtol=1e-5,
-                                       atol=1e-5 * ref.abs().max().item())
-        assert torch.equal(kern.gguf_dequantize(raw, t, n, k), dequantize_gguf(raw, t, (n, k)))
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("t", TYPES)
