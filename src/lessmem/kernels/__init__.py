@@ -5,6 +5,8 @@ tests import it), and fast paths per device: native CPU kernels (``*_cpp.py``) a
 needed, a production torch fallback (``*_torch.py``: ``linear_torch``, ``gguf_linear_torch``,
 ``attention_torch``) that computes the same thing with vectorized torch ops on any device.
 The native CPU kernels are small C++ sources compiled on first use (``_build.load_cpp``)
-and cached under ``$LESSMEM_CACHE/kernels``; when no compiler is available, or the tensors
-are not on the CPU, the torch fallback runs (without a compiler a warning says so once).
+and cached under ``$LESSMEM_CACHE/kernels``; CUDA backends are Triton (``*_triton.py``).
+Callers reach them through torch ops (``ops.py``: attention; ``linear_ops.py``: the
+dequant-matmuls), whose dispatcher picks the backend by device; without a compiler, or on a
+device without a backend, the torch fallback runs after one warning.
 """

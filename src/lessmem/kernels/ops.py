@@ -48,33 +48,50 @@ SCHEMA = ("quantized_attention(Tensor q, Tensor[] k_codes, Tensor[] k_scale, Ten
 LIB = torch.library.Library("lessmem", "DEF")
 LIB.define(SCHEMA)
 
-_lock = threading.Lock()
-_layouts: list[KVLayout] = []
-_ids: dict[KVLayout, int] = {}
-_by_object: dict[int, tuple[KVLayout, int]] = {}
+class Interned:
+    """Objects an op takes by an int (a schema holds tensors and scalars, not a layout or a
+    config): equal objects share one id for the life of the process. ``id_of(obj)`` is the
+    int (a hit on the same object costs one dict lookup), ``get(i)`` the object back."""
+
+    def __init__(self, cls: type, name: str, id_fn: str):
+        self.cls, self.name, self.id_fn = cls, name, id_fn
+        self._lock = threading.Lock()
+        self._objs: list = []
+        self._ids: dict = {}
+        self._by_object: dict[int, tuple[object, int]] = {}
+
+    def id_of(self, obj) -> int:
+        hit = self._by_object.get(id(obj))
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        if not isinstance(obj, self.cls):
+            raise TypeError(f"{self.name}={obj!r}; allowed: a {self.cls.__module__}.{self.cls.__name__}")
+        with self._lock:
+            i = self._ids.get(obj)
+            if i is None:
+                i = self._ids[obj] = len(self._objs)
+                self._objs.append(obj)
+            self._by_object[id(obj)] = (obj, i)  # the object is kept alive, so its id() stays its own
+        return i
+
+    def get(self, i: int):
+        if not 0 <= i < len(self._objs):
+            raise ValueError(f"{self.name} id {i}; allowed: an id from {self.id_fn} "
+                             f"(0 to {len(self._objs) - 1})")
+        return self._objs[i]
+
+
+_LAYOUTS = Interned(KVLayout, "layout", "lessmem.kernels.ops.layout_id")
 
 
 def layout_id(layout: KVLayout) -> int:
     """The op's int for ``layout`` (equal layouts share one id)."""
-    hit = _by_object.get(id(layout))
-    if hit is not None and hit[0] is layout:
-        return hit[1]
-    if not isinstance(layout, KVLayout):
-        raise TypeError(f"layout={layout!r}; allowed: a lessmem.formats.kvlayout.KVLayout")
-    with _lock:
-        i = _ids.get(layout)
-        if i is None:
-            i = _ids[layout] = len(_layouts)
-            _layouts.append(layout)
-        _by_object[id(layout)] = (layout, i)  # the layout is kept alive, so its id() stays its own
-    return i
+    return _LAYOUTS.id_of(layout)
 
 
 def layout_of(i: int) -> KVLayout:
     """The layout behind an op's layout id."""
-    if not 0 <= i < len(_layouts):
-        raise ValueError(f"layout id {i}; allowed: an id from lessmem.kernels.ops.layout_id (0 to {len(_layouts) - 1})")
-    return _layouts[i]
+    return _LAYOUTS.get(i)
 
 
 def parts(codes, scale, zero_point) -> list[tuple]:

@@ -25,40 +25,25 @@ Example:
 from __future__ import annotations
 
 import importlib.util
-import threading
 
 import torch
 
-from ..kernels.ops import LIB, layout_id, layout_of
+from ..kernels.ops import LIB, Interned, layout_id, layout_of
 from .codec import Encoded, encode, kv_layout
 from .config import KVTensorConfig
 
 LIB.define("kv_encode(Tensor x, int spec_id, int layout_id) -> (Tensor, Tensor, Tensor)")
 
-_lock = threading.Lock()
-_specs: list[KVTensorConfig] = []
-_spec_ids: dict[KVTensorConfig, int] = {}
+_SPECS = Interned(KVTensorConfig, "spec", "lessmem.kvcache.encode_op.spec_id")
 
 
 def spec_id(spec: KVTensorConfig) -> int:
     """The op's int for ``spec`` (equal configs share one id, kept for the process)."""
-    i = _spec_ids.get(spec)
-    if i is None:
-        if not isinstance(spec, KVTensorConfig):
-            raise TypeError(f"spec={spec!r}; allowed: a lessmem.kvcache.config.KVTensorConfig")
-        with _lock:
-            i = _spec_ids.get(spec)
-            if i is None:
-                i = _spec_ids[spec] = len(_specs)
-                _specs.append(spec)
-    return i
+    return _SPECS.id_of(spec)
 
 
 def spec_of(i: int) -> KVTensorConfig:
-    if not 0 <= i < len(_specs):
-        raise ValueError(f"spec id {i}; allowed: an id from lessmem.kvcache.encode_op.spec_id "
-                         f"(0 to {len(_specs) - 1})")
-    return _specs[i]
+    return _SPECS.get(i)
 
 
 def _out(enc: Encoded):

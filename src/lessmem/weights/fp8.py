@@ -128,6 +128,7 @@ class FP8Linear(nn.Module):
     def _reset_route(self) -> None:
         self.fallback_reason: str | None = None  # why _scaled_mm is not used (warned once)
         self._mm_out = torch.float32  # _scaled_mm's output dtype (bfloat16 where f32 is refused)
+        self._checked_on: torch.device | None = None  # the device _unusable last passed
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -210,10 +211,12 @@ class FP8Linear(nn.Module):
 
     def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor | None:
         """W8A8 through ``torch._scaled_mm``; None once it has fallen back (see the module doc)."""
-        why = self._unusable(x)
-        if why is not None:
-            self._fall_back(why)
-            return None
+        if x.device != self._checked_on:  # once per device, not per call
+            why = self._unusable(x)
+            if why is not None:
+                self._fall_back(why)
+                return None
+            self._checked_on = x.device
         xq, sx = quantize_activations(x.reshape(-1, self.in_features))
         sw = self.scale.reshape(1, -1)
         try:

@@ -2,8 +2,8 @@
 
 The weight ``W [N, K]`` (``N = out_features``, ``K = in_features``) lives in the one
 registered buffer ``qweight`` — uint8 ``[N, K / block_size * type_size]``, the bytes a
-``.gguf`` file stores for the tensor (llama.cpp's layout, any of the ten types of
-``formats.gguf``) — plus an optional float32 ``bias``. Nothing else is kept, so
+``.gguf`` file stores for the tensor (llama.cpp's layout, any of the twelve types of
+``kernels.gguf_linear_cpp.KERNEL_TYPES``: the ten of ``formats.gguf`` and IQ4_NL / IQ4_XS) — plus an optional float32 ``bias``. Nothing else is kept, so
 ``nbytes`` is ``N · K · bpw / 8`` (+ bias): Q4_0 4.5 bits per weight, Q4_K 4.5, Q6_K
 6.5625, Q8_0 8.5, against 32 for the float layer.
 

@@ -12,7 +12,7 @@ from ..cache import KVCache
 from ..layer import QuantizedKVLayer
 from .blocks import join_parts
 from .layer import TieredKVLayer
-from .staging import Staged
+from .staging import ready
 
 
 def _probe(layer) -> torch.Tensor:
@@ -64,9 +64,7 @@ def in_memory_copy(cache) -> KVCache:
             continue
         s.sinks = (d.sinks[0].clone(), d.sinks[1].clone())
         s.window = (d.window[0].clone(), d.window[1].clone())
-        parts = cache.reader.gather(d, list(d.block_keys), d.pending)
-        if isinstance(parts, Staged):  # CUDA: copied up on a side stream
-            parts = parts.ready()
+        parts = ready(cache.reader.gather(d, list(d.block_keys), d.pending))
         s.history = join_parts(parts) if parts else None
         s.n_history = d.n_history
     return out

@@ -13,7 +13,7 @@ import torch
 from .blocks import BlockStore, to_device
 from .budget import BudgetAccount
 from .prefetch import Prefetcher
-from .staging import CudaStager, Staged
+from .staging import CudaStager, ready
 
 
 class HistoryReader:
@@ -46,8 +46,7 @@ class HistoryReader:
         self.account.staged = 0  # the previous layer's gathered history is no longer used
         if hist is None:  # on the decoding thread, between the model's parallel ops: all its cores
             hist = self.gather(layer, layer.visible_keys(), layer.pending, torch.get_num_threads())
-        if isinstance(hist, Staged):  # CUDA: the compute stream waits for the copies (no host sync)
-            hist = hist.ready()
+        hist = ready(hist)  # CUDA: the compute stream waits for the copies (no host sync)
         resident = self.account.resident()
         self.account.rebalance(resident)
         # held beside the device tier: the blocks read from lower tiers, and any block the

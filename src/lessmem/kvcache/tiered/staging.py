@@ -80,3 +80,9 @@ class CudaStager:
             event = torch.cuda.Event()
             event.record(stream)
         return Staged(out, copied, event, device)
+
+
+def ready(hist):
+    """``hist`` as parts the compute stream can read: a ``Staged`` waits (on the GPU) for its
+    copies, anything else (parts already on the device, or None) is returned as it is."""
+    return hist.ready() if isinstance(hist, Staged) else hist
