@@ -126,6 +126,7 @@ def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
         from lessmem.weights.gguf_load import load_gguf_blocks
 
         model = load_gguf_blocks(spec["gguf"])
+        lessmem.lean_decode(model)  # what lessmem.load switches on
     else:
         model, _ = lessmem.load(spec["gguf"])
     cache = DynamicCache() if spec["kv"] == "DynamicCache" else KVCache(model.config, spec["kv"])

@@ -195,7 +195,10 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
       ``lessmem_quant.json``, loaded by ``lessmem.weights.checkpoint.load_quantized``);
     - a HF hub id such as ``"org/name"`` (only where a hub is reachable).
 
-    The model is returned in ``eval()`` mode with the given ``dtype``.
+    The model is returned in ``eval()`` mode with the given ``dtype``; where its
+    architecture allows (``lessmem.decode.ARCHS``), one-token decode steps take the lean
+    step (``lessmem.lean_decode``: the same logits bit for bit, without transformers'
+    per-module overhead; ``lessmem.decode.lean_disable(model)`` turns it off).
 
     Example:
         >>> model, tok = load("smollm2-135m")                 # doctest: +SKIP
@@ -235,6 +238,10 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     model.eval()
     if tok is not None:  # lessmem.quantize_ tokenizes calibration text with it (weights.calibrate)
         model._lessmem_tokenizer = tok
+    from .decode import lean_decode, why_not
+
+    if why_not(model) is None:  # decode steps skip transformers' per-module glue (bit-identical)
+        lean_decode(model)
     return model, tok
 
 

@@ -357,6 +357,27 @@ def _fp_pair(k: torch.Tensor, v: torch.Tensor):
     return k, v
 
 
+def fused_attention_row(q_h: torch.Tensor, q_f: torch.Tensor, kv, pieces: list):
+    """:func:`fused_attention_batch` for one request (a decode step of batch 1), the same C++
+    call with the same arguments (so the same result), its history's part made once per
+    history object and thread count instead of once per call: a decode step makes this
+    call in every layer, and assembling the arguments had cost as long as the attention.
+    ``q_h``, ``q_f``: contiguous float32 [1, Hq, D]. None without the C++ kernel."""
+    mod = _module() if q_h.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
+    if mod is None:
+        return None
+    nt = torch.get_num_threads()
+    got = kv.__dict__.get("_lessmem_row_args")
+    if got is None or got[0] != nt:
+        first = _kernel_args(kv)
+        got = kv.__dict__["_lessmem_row_args"] = (
+            nt, [_kernel_table(kv)], kv.n_kv_heads, (*first[3:9], *first[12:18]), [first[18]],
+            [_n_split(1, kv.n_kv_heads, kv.n_tokens)])
+    pairs = [_fp_pair(k, v) for k, v in pieces]
+    return mod.qattn_batch(q_h, q_f, got[1], got[2], *got[3], got[4], [[p[0] for p in pairs]],
+                           [[p[1] for p in pairs]], got[5])
+
+
 def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list, fp_pieces: list):
     """Decode rows of many requests in one C++ call (a serving step, ``serve.batch``).
 

@@ -29,6 +29,7 @@ from ..kernels.attention import (
     QuantSide,
     fused_attention,
     fused_attention_batch,
+    fused_attention_row,
     quantized_attention,
 )
 
@@ -213,11 +214,23 @@ class LayerView:
         return [p for p in (self.sinks, self.window, self.current) if p is not None and p[0].shape[2]]
 
     def _attend_row(self, q, scaling):
-        """One decode row (batch 1, one query token, no mask) through :func:`attend_decode_rows`;
-        None without the C++ kernel."""
+        """One decode row (batch 1, one query token, no mask): :func:`attend_decode_rows` for
+        one view, bit for bit, with less around the C++ call (``fused_attention_row``); None
+        without the C++ kernel or off the CPU."""
+        if q.device.type != "cpu":
+            return None
         Hq, D = q.shape[1], q.shape[3]
-        out = attend_decode_rows([self], q.reshape(1, Hq, D).float() * scaling)
-        return None if out is None else out.reshape(1, Hq, 1, D).to(q.dtype)
+        qf = q.reshape(1, Hq, D)
+        qf = (qf if qf.dtype == torch.float32 else qf.float()) * scaling
+        q_h = torch.bmm(qf, _rot_matrix(self.rot_k, qf.device).expand(1, D, D)) if self.rot_k is not None else qf
+        res = fused_attention_row(q_h, qf, self.history, self.fp_pieces())
+        if res is None:
+            return None
+        out_h, out_f = res
+        if self.rot_v is not None:
+            out_h = torch.bmm(out_h, _rot_matrix(self.rot_v, qf.device).T.expand(1, D, D))
+        out = out_f.add_(out_h).view(1, Hq, 1, D)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def _history_slices(self):
         """The history as ``(keys, values)`` :class:`QuantSide` pieces of at most

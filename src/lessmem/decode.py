@@ -1,0 +1,309 @@
+"""A lean decode step for Llama-family models: one new token per sequence, without
+transformers' per-module machinery.
+
+A decode step of a small model on a CPU is mostly overhead, not arithmetic: on the
+built-in model (30 layers) transformers runs ~2,000 small tensor ops and ~600 module
+calls per token (RMSNorm alone is seven ops, rotary embedding five per tensor), about as
+much time as the fused weight kernels themselves. ``lean_decode(model)`` replaces, for
+decode steps only, the model's forward with a straight walk over its layers that calls
+the same weights and the same cache:
+
+- RMSNorm as one ``torch.rms_norm`` (float32 models; other dtypes follow transformers'
+  float32 round trip), the rotary embedding on a sign-folded sine (bit-identical to transformers'),
+  queries and keys rotated in one go;
+- each projection called directly: a ``GGUFLinear`` through its op
+  (``torch.ops.lessmem.gguf_linear``), anything else as its module;
+- attention straight from the cache: a lessmem cache's layer view (``attend``, the fused
+  kernel over quantized blocks) or, for ``DynamicCache``, one SDPA call with GQA.
+
+Which calls take it: ``input_ids`` of one token per row, a ``DynamicCache`` or lessmem
+``KVCache`` that already holds the prompt, no padding (an ``attention_mask`` of ones, if
+any), positions that continue the cache, the model in ``eval()`` mode, no hooks on its
+modules. Anything else (prefill, padding, output_attentions, a hook, a module replaced
+after the switch) takes the model's own forward, so the switch never changes what a
+call may do; it is checked on every call (a few tens of µs). Logits equal transformers'
+up to float rounding (tested against it on every supported architecture).
+
+Supported architectures (``ARCHS``): Llama, Mistral, Qwen2 and Qwen3 (QK-norm) without
+sliding-window layers; ``why_not(model)`` says why another is refused.
+
+Example:
+    >>> import torch, lessmem
+    >>> from lessmem.models import tiny_random
+    >>> model = tiny_random("llama")
+    >>> with lessmem.lean_decode(model) as switch:
+    ...     cache = lessmem.KVCache(model.config, "int8")
+    ...     _ = model(torch.tensor([[1, 2, 3]]), cache=cache)    # prefill: the model's forward
+    ...     out = model(torch.tensor([[4]]), cache=cache)         # decode: the lean step
+    >>> switch.steps, tuple(out.logits.shape)
+    (1, (1, 1, 272))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_ACTS = ("silu", "swish")
+_KWARGS = frozenset({"input_ids", "cache", "past_key_values", "attention_mask", "position_ids",
+                     "cache_position", "use_cache", "return_dict", "logits_to_keep"})
+
+
+def why_not(model) -> str | None:
+    """None when ``model`` can take the lean step, else why not (one sentence)."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in ARCHS:
+        return f"architecture {kind!r} (allowed: {', '.join(ARCHS)})"
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not isinstance(getattr(inner, name, None), nn.Module):
+            return f"the model has no model.{name}"
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "the model has no lm_head"
+    from .kvcache.cache import _layer_types
+
+    if any(t != "full_attention" for t in _layer_types(cfg)):
+        return "sliding-window layers (the lean step attends to the whole cache)"
+    if getattr(cfg, "hidden_act", None) not in _ACTS:
+        return f"activation {getattr(cfg, 'hidden_act', None)!r} (allowed: {', '.join(_ACTS)})"
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                            (mlp, ("gate_proj", "up_proj", "down_proj")),
+                            (layer, ("input_layernorm", "post_attention_layernorm"))):
+            for n in names:
+                if not isinstance(getattr(part, n, None), nn.Module):
+                    return f"layer {i} has no {n}"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm,
+                 *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n))]
+        if not all(_is_rms(m) for m in norms):
+            return f"layer {i} normalizes with {type(norms[0]).__name__}, not an RMSNorm"
+        if not isinstance(getattr(attn, "head_dim", None), int) or not hasattr(attn, "scaling"):
+            return f"layer {i}'s attention has no head_dim or scaling"
+    if not _is_rms(inner.norm):
+        return "the final norm is not an RMSNorm"
+    own, held = model.__dict__.get("forward"), model.__dict__.get("_lessmem_lean")
+    if own is not None and (held is None or getattr(own, "__self__", None) is not held):
+        return "model.forward was replaced on the instance (a hook such as accelerate's device map)"
+    return None
+
+
+def _is_rms(m) -> bool:
+    return (type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and isinstance(getattr(m, "variance_epsilon", None), float))
+
+
+def _proj(m):
+    """A callable x -> m(x) without the module call: the GGUF op for a GGUFLinear."""
+    from .weights.gguf_linear import _GGUF, GGUFLinear
+
+    if type(m) is GGUFLinear:
+        qw, tid, n, bias, i8 = m.qweight, m._type.ggml_id, m.out_features, m.bias, m.int8_activations
+        fused_max = _fused_max_rows() * m.in_features
+        return lambda x: _GGUF(x, qw, tid, n, bias, i8) if x.numel() <= fused_max else m.forward(x)
+    if type(m) is nn.Linear:
+        w, b = m.weight, m.bias
+        return lambda x: F.linear(x, w, b)
+    return m.forward
+
+
+def _fused_max_rows() -> int:
+    from .weights.qlinear import FUSED_MAX_ROWS
+
+    return FUSED_MAX_ROWS
+
+
+def _norm(m):
+    """RMSNorm as a callable: one ``torch.rms_norm`` for float32, else transformers' steps."""
+    w, eps = m.weight, m.variance_epsilon
+    if w.dtype == torch.float32:
+        shape = (w.shape[-1],)
+        return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else _rms_steps(x, w, eps)
+    return lambda x: _rms_steps(x, w, eps)
+
+
+def _rms_steps(x, w, eps):
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dtype)
+
+
+class _Layer:
+    __slots__ = ("ln1", "ln2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm",
+                 "hq", "hkv", "d", "scale", "idx")
+
+    def __init__(self, layer, idx: int, cfg):
+        a, m = layer.self_attn, layer.mlp
+        self.ln1, self.ln2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.q, self.k, self.v, self.o = (_proj(a.q_proj), _proj(a.k_proj), _proj(a.v_proj), _proj(a.o_proj))
+        self.gate, self.up, self.down = _proj(m.gate_proj), _proj(m.up_proj), _proj(m.down_proj)
+        self.q_norm = _norm(a.q_norm) if hasattr(a, "q_norm") else None
+        self.k_norm = _norm(a.k_norm) if hasattr(a, "k_norm") else None
+        self.d = int(a.head_dim)
+        self.hq = cfg.num_attention_heads
+        self.hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.scale = float(a.scaling)
+        self.idx = idx
+
+
+class LeanDecode:
+    """The switch: ``model.forward`` takes the lean step where it can (module doc).
+    ``disable()`` (or leaving the ``with`` block) puts the model's own forward back.
+
+    What the step calls is gathered on the first decode call and gathered again when a
+    module of the model was replaced since (``lessmem.quantize_`` after the switch); a
+    copy (``copy.deepcopy``, pickling) gathers its own."""
+
+    def __init__(self, model):
+        reason = why_not(model)
+        if reason is not None:
+            raise ValueError(f"lean_decode: this model cannot take the lean step: {reason}")
+        self.model = model
+        self.steps = 0  # decode calls that took the lean step (the rest took the model's forward)
+        self._parts = None
+        model.forward = self._call
+        model._lessmem_lean = self
+
+    def __getstate__(self):  # a copy gathers its own weights and counts its own steps
+        return {"model": self.model}
+
+    def __setstate__(self, state):
+        self.model = state["model"]
+        self.steps = 0
+        self._parts = None
+
+    def _build(self) -> None:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        model = self.model
+        inner = model.model
+        self._layers = [_Layer(layer, i, model.config) for i, layer in enumerate(inner.layers)]
+        self._embed = inner.embed_tokens
+        self._norm = _norm(inner.norm)
+        self._head = _proj(model.lm_head)
+        self._rotary = inner.rotary_emb
+        # what the step depends on, checked on every call: (parent, child name, child)
+        self._parts = [(p, n, c) for p in model.modules() for n, c in p._modules.items() if c is not None]
+        self._modules = [model, *(c for _, _, c in self._parts)]
+        fields = CausalLMOutputWithPast.__dataclass_fields__
+        self._out_cls = CausalLMOutputWithPast
+        self._cache_field = "cache" if "cache" in fields else "past_key_values"
+
+    def disable(self) -> None:
+        if self.model.__dict__.get("forward") == self._call:
+            del self.model.forward
+        if self.model.__dict__.get("_lessmem_lean") is self:
+            del self.model._lessmem_lean
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.disable()
+
+    # ---- the switch ---------------------------------------------------------------
+    def _call(self, *args, **kwargs):
+        ids = args[0] if len(args) == 1 else kwargs.get("input_ids") if not args else None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if ids is None or len(args) > 1 or not self._eligible(ids, cache, kwargs):
+            return type(self.model).forward(self.model, *args, **kwargs)
+        self.steps += 1
+        logits = self.step(ids, cache)
+        return self._out_cls(logits=logits, **{self._cache_field: cache})
+
+    def _eligible(self, ids, cache, kw) -> bool:
+        if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1
+                or not _KWARGS.issuperset(kw) or kw.get("use_cache") is False
+                or kw.get("return_dict") is False or self.model.training or not _cache_ok(cache)):
+            return False
+        past = cache.get_seq_length()
+        if past == 0:
+            return False
+        mask, pos, cpos = kw.get("attention_mask"), kw.get("position_ids"), kw.get("cache_position")
+        if mask is not None and (mask.dim() != 2 or mask.shape != (ids.shape[0], past + 1) or not bool(mask.all())):
+            return False
+        if pos is not None and (pos.numel() != ids.shape[0] or bool((pos != past).any())):
+            return False
+        if cpos is not None and (cpos.numel() != 1 or int(cpos) != past):
+            return False
+        return self._ready()
+
+    def _ready(self) -> bool:
+        """Gathered for the model as it is now, and no hook anywhere (else: its forward)."""
+        from torch.nn.modules import module as _m
+
+        if _m._global_forward_hooks or _m._global_forward_pre_hooks:
+            return False
+        if self._parts is None or any(p._modules.get(n) is not c for p, n, c in self._parts):
+            if why_not(self.model) is not None:
+                return False
+            self._build()
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+
+    # ---- the step -----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Logits ``[B, 1, vocab]`` for one new token per row ``ids [B, 1]``, appending its
+        keys and values to ``cache`` (no eligibility checks: see ``_eligible``)."""
+        past = cache.get_seq_length()
+        x = self._embed(ids)  # [B, 1, H]
+        B = x.shape[0]
+        pos = torch.full((B, 1), past, dtype=torch.long, device=x.device)
+        cos, sin = self._rotary(x, pos)  # [B, 1, D]
+        half = cos.shape[-1] // 2
+        cos = cos.unsqueeze(1)  # [B, 1, 1, D] against [B, heads, 1, D]
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
+        for L in self._layers:
+            h = L.ln1(x)
+            q = L.q(h).view(B, L.hq, 1, L.d)
+            k = L.k(h).view(B, L.hkv, 1, L.d)
+            v = L.v(h).view(B, L.hkv, 1, L.d)
+            if L.q_norm is not None:
+                q, k = L.q_norm(q), L.k_norm(k)
+            qk = torch.cat([q, k], dim=1)  # rotate both in one go
+            swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * cos + swapped * sin  # = transformers' q·cos + rotate_half(q)·sin, bit for bit
+            q, k = qk[:, :L.hq], qk[:, L.hq:]
+            kv, vv = cache.update(k, v, L.idx)
+            if hasattr(kv, "attend"):  # a lessmem layer view: the fused kernel over its blocks
+                a = kv.attend(q, None, L.scale)
+            else:
+                a = F.scaled_dot_product_attention(q, kv, vv, scale=L.scale, enable_gqa=L.hq != L.hkv)
+            x = x + L.o(a.reshape(B, 1, L.hq * L.d))
+            h = L.ln2(x)
+            x = x + L.down(F.silu(L.gate(h)) * L.up(h))
+        return self._head(self._norm(x))
+
+
+def _cache_ok(cache) -> bool:
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from .kvcache.cache import KVCache
+    from .kvcache.tiered.cache import TieredKVCache
+
+    if type(cache) in (KVCache, TieredKVCache):
+        return True
+    return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def lean_decode(model) -> LeanDecode:
+    """Switch ``model`` to the lean decode step (module doc); a ValueError says why a model
+    cannot take it. Switching a switched model returns its existing switch."""
+    held = model.__dict__.get("_lessmem_lean")
+    if held is not None and model.__dict__.get("forward") == held._call:
+        return held
+    return LeanDecode(model)
+
+
+def lean_disable(model) -> bool:
+    """Put the model's own forward back if ``model`` was switched; returns whether it was."""
+    held = model.__dict__.get("_lessmem_lean")
+    if held is None:
+        return False
+    held.disable()
+    return True

@@ -1,0 +1,166 @@
+"""The lean decode step (``lessmem.decode``): bit-identical logits to transformers' forward on
+every supported architecture and cache, and the model's own forward wherever it cannot apply."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from test_architectures import model_for
+from transformers import DynamicCache
+
+import lessmem
+from lessmem.decode import lean_decode, lean_disable, why_not
+from lessmem.kvcache import KVCache, enable
+from lessmem.models import tiny_random
+
+PROMPT = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1))
+STEPS = [7, 99, 12, 250, 3]
+
+
+def _decode(model, cache, lean: bool, steps=STEPS, prompt=PROMPT, **kw):
+    """Logits of each decode step after a prefill, with or without the switch."""
+    handle = lean_decode(model) if lean else None
+    out = []
+    try:
+        with torch.no_grad(), enable(model):
+            model(prompt, cache=cache)
+            for t in steps:
+                out.append(model(torch.tensor([[t]] * prompt.shape[0]), cache=cache, **kw).logits)
+    finally:
+        if handle is not None:
+            handle.disable()
+    return torch.cat(out, 1), handle
+
+
+def _cache(model, kind):
+    return DynamicCache() if kind == "dynamic" else KVCache(model.config, kind)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["dynamic", "int8", "best-4"])
+def test_bit_identical_to_transformers(arch, kind):
+    model = tiny_random(arch)
+    ref, _ = _decode(model, _cache(model, kind), lean=False)
+    got, handle = _decode(model, _cache(model, kind), lean=True)
+    assert handle.steps == len(STEPS)
+    assert torch.equal(got, ref)
+
+
+def test_qk_norm_and_biases():
+    """Qwen3 (QK-norm) and Qwen2 with outlier key biases, from the real transformers classes."""
+    for arch in ("qwen3", "qwen2+outliers"):
+        model = model_for(arch)
+        assert why_not(model) is None
+        ref, _ = _decode(model, _cache(model, "best-4"), lean=False)
+        got, handle = _decode(model, _cache(model, "best-4"), lean=True)
+        assert handle.steps == len(STEPS) and torch.equal(got, ref)
+
+
+def test_gguf_weights_int8_activations():
+    """GGUF linears through their op, int8 activations on: still bit-identical (a rounding
+    difference before an int8 quantizer would show as a large logit difference)."""
+    model = tiny_random("llama", hidden_size=64, intermediate_size=128)
+    lessmem.quantize_(model, lessmem.GGUFConfig("Q4_0"))
+    from lessmem.weights.gguf_linear import GGUFLinear, set_int8_activations
+
+    assert set_int8_activations(model, True) > 0
+    assert isinstance(model.model.layers[0].self_attn.q_proj, GGUFLinear)
+    for kind in ("dynamic", "best-4"):
+        ref, _ = _decode(model, _cache(model, kind), lean=False)
+        got, handle = _decode(model, _cache(model, kind), lean=True)
+        assert handle.steps == len(STEPS) and torch.equal(got, ref)
+
+
+def test_batch_rows():
+    model = tiny_random("llama")
+    prompt = torch.randint(3, 250, (3, 20), generator=torch.Generator().manual_seed(2))
+    ref, _ = _decode(model, DynamicCache(), lean=False, prompt=prompt)
+    got, handle = _decode(model, DynamicCache(), lean=True, prompt=prompt)
+    assert handle.steps == len(STEPS) and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("case", ["mask_with_padding", "two_tokens", "output_attentions", "hook",
+                                  "training", "other_position"])
+def test_falls_back_to_the_model_forward(case):
+    model = tiny_random("llama")
+    handle = lean_decode(model)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(PROMPT, cache=cache)
+        ids, kw = torch.tensor([[5]]), {}
+        if case == "mask_with_padding":
+            kw["attention_mask"] = torch.cat([torch.zeros(1, 1), torch.ones(1, PROMPT.shape[1])], 1).long()
+        elif case == "two_tokens":
+            ids = torch.tensor([[5, 6]])
+        elif case == "output_attentions":
+            kw["output_attentions"] = True
+        elif case == "hook":
+            model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+        elif case == "training":
+            model.train()
+        elif case == "other_position":
+            kw["position_ids"] = torch.tensor([[3]])
+        model(ids, cache=cache, **kw)
+    assert handle.steps == 0
+
+
+def test_mask_of_ones_and_generate_take_the_step():
+    model = tiny_random("llama")
+    enc = {"input_ids": PROMPT, "attention_mask": torch.ones_like(PROMPT)}
+    with torch.no_grad():
+        ref = model.generate(**enc, max_new_tokens=6, do_sample=False)
+        with lean_decode(model) as handle:
+            got = model.generate(**enc, max_new_tokens=6, do_sample=False)
+    assert handle.steps == 5 and torch.equal(got, ref)
+    assert "forward" not in model.__dict__  # disabled on leaving the block
+
+
+def test_rebuilds_after_a_module_is_replaced():
+    model = tiny_random("llama")
+    handle = lean_decode(model)
+    _decode(model, DynamicCache(), lean=False)  # the switch is on: gathers the modules
+    lessmem.quantize_(model, lessmem.RTNConfig(bits=4, group_size=32))
+    got, _ = _decode(model, DynamicCache(), lean=False)  # gathers the quantized ones
+    handle.disable()
+    ref, _ = _decode(model, DynamicCache(), lean=False)
+    assert handle.steps == 2 * len(STEPS) and torch.equal(got, ref)
+
+
+def test_copies_use_their_own_weights():
+    model = tiny_random("llama")
+    handle = lean_decode(model)
+    _decode(model, DynamicCache(), lean=False)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.no_grad():
+            twin.lm_head.weight.mul_(2.0)
+        lean = twin._lessmem_lean
+        assert lean is not handle and lean.model is twin
+        got, _ = _decode(twin, DynamicCache(), lean=False)
+        lean.disable()
+        ref, _ = _decode(twin, DynamicCache(), lean=False)
+        assert lean.steps == len(STEPS) and torch.equal(got, ref)
+    assert handle.steps == len(STEPS)  # the copies' steps were not the original's
+
+
+def test_refusals():
+    for arch in ("phi", "mixtral"):
+        reason = why_not(model_for(arch))
+        assert reason is not None
+        with pytest.raises(ValueError, match="cannot take the lean step"):
+            lean_decode(model_for(arch))
+    sliding = tiny_random("mistral", sliding_window=8)
+    assert "sliding" in why_not(sliding)
+    model = tiny_random("llama")
+    model.forward = lambda *a, **k: None
+    assert "replaced on the instance" in why_not(model)
+
+
+def test_switch_is_idempotent_and_reversible():
+    model = tiny_random("llama")
+    a = lean_decode(model)
+    assert lean_decode(model) is a
+    assert lean_disable(model) and not lean_disable(model)
+    assert "forward" not in model.__dict__ and "_lessmem_lean" not in model.__dict__
