@@ -14,7 +14,11 @@ the same weights and the same cache:
 - each projection called directly: a ``GGUFLinear`` through its op
   (``torch.ops.lessmem.gguf_linear``), anything else as its module;
 - attention straight from the cache: a lessmem cache's layer view (``attend``, the fused
-  kernel over quantized blocks) or, for ``DynamicCache``, one SDPA call with GQA.
+  kernel over quantized blocks) or, for ``DynamicCache``, one SDPA call with GQA over its
+  layer, which grows in place (``_dynamic_append``) instead of being copied whole each step;
+- after a prefill chunk into such a cache (the model's forward), the pages its
+  activations freed go back to the operating system (``base.cpu.trim_heap``), so they do
+  not stay in the RSS the decode holds.
 
 Which calls take it: ``input_ids`` of one token per row, a ``DynamicCache`` or lessmem
 ``KVCache`` that already holds the prompt, no padding (an ``attention_mask`` of ones, if
@@ -44,6 +48,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .base.cpu import trim_heap
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _ACTS = ("silu", "swish")
@@ -210,7 +216,10 @@ class LeanDecode:
         ids = args[0] if len(args) == 1 else kwargs.get("input_ids") if not args else None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if ids is None or len(args) > 1 or not self._eligible(ids, cache, kwargs):
-            return type(self.model).forward(self.model, *args, **kwargs)
+            out = type(self.model).forward(self.model, *args, **kwargs)
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and _cache_ok(cache):
+                trim_heap()  # a prefill chunk freed its activations: hand the pages back (base.cpu)
+            return out
         self.steps += 1
         logits = self.step(ids, cache)
         return self._out_cls(logits=logits, **{self._cache_field: cache})
@@ -250,6 +259,7 @@ class LeanDecode:
         """Logits ``[B, 1, vocab]`` for one new token per row ``ids [B, 1]``, appending its
         keys and values to ``cache`` (no eligibility checks: see ``_eligible``)."""
         past = cache.get_seq_length()
+        dynamic = not hasattr(cache, "kv_config")  # a DynamicCache (_cache_ok allows no other)
         x = self._embed(ids)  # [B, 1, H]
         B = x.shape[0]
         pos = torch.full((B, 1), past, dtype=torch.long, device=x.device)
@@ -268,7 +278,7 @@ class LeanDecode:
             swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
             qk = qk * cos + swapped * sin  # = transformers' q·cos + rotate_half(q)·sin, bit for bit
             q, k = qk[:, :L.hq], qk[:, L.hq:]
-            kv, vv = cache.update(k, v, L.idx)
+            kv, vv = _dynamic_append(cache.layers[L.idx], k, v) if dynamic else cache.update(k, v, L.idx)
             if hasattr(kv, "attend"):  # a lessmem layer view: the fused kernel over its blocks
                 a = kv.attend(q, None, L.scale)
             else:
@@ -277,6 +287,33 @@ class LeanDecode:
             h = L.ln2(x)
             x = x + L.down(F.silu(L.gate(h)) * L.up(h))
         return self._head(self._norm(x))
+
+
+GROW_MIN = 64  # a DynamicCache layer's buffer grows by max(this, an eighth) tokens at a time
+
+
+def _dynamic_append(layer, k: torch.Tensor, v: torch.Tensor):
+    """``DynamicLayer.update`` for one new token without copying the whole layer: transformers
+    concatenates (a step at 16k tokens copied 750 MB on the built-in model); here the layer's
+    keys and values become the first n tokens of a buffer with room to grow (by an eighth,
+    so at most 12.5% more memory) and the token is written in place. The layer stays what
+    transformers expects (``keys``/``values`` [B, H, n, D] tensors, views now); when anything
+    else replaced them since (its own update, crop, a beam reorder), they are adopted anew."""
+    keys, values = layer.keys, layer.values
+    held = layer.__dict__.get("_lessmem_buf")
+    B, H, n, D = keys.shape
+    if held is None or held[2] is not keys or held[3] is not values or held[0].shape[2] < n + 1:
+        cap = n + 1 + max(GROW_MIN, n // 8)
+        kb, vb = keys.new_empty(B, H, cap, D), values.new_empty(B, H, cap, D)
+        kb[:, :, :n].copy_(keys)
+        vb[:, :, :n].copy_(values)
+    else:
+        kb, vb = held[0], held[1]
+    kb[:, :, n:n + 1].copy_(k)
+    vb[:, :, n:n + 1].copy_(v)
+    layer.keys, layer.values = kb[:, :, :n + 1], vb[:, :, :n + 1]
+    layer._lessmem_buf = (kb, vb, layer.keys, layer.values)
+    return layer.keys, layer.values
 
 
 def _cache_ok(cache) -> bool:

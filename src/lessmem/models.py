@@ -238,10 +238,12 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     model.eval()
     if tok is not None:  # lessmem.quantize_ tokenizes calibration text with it (weights.calibrate)
         model._lessmem_tokenizer = tok
+    from .base.cpu import trim_heap
     from .decode import lean_decode, why_not
 
     if why_not(model) is None:  # decode steps skip transformers' per-module glue (bit-identical)
         lean_decode(model)
+    trim_heap()  # what parsing the file and building the model freed goes back to the OS
     return model, tok
 
 

@@ -164,3 +164,30 @@ def test_switch_is_idempotent_and_reversible():
     assert lean_decode(model) is a
     assert lean_disable(model) and not lean_disable(model)
     assert "forward" not in model.__dict__ and "_lessmem_lean" not in model.__dict__
+
+
+def test_dynamic_cache_grows_in_place_and_stays_a_dynamic_cache():
+    """The lean step appends to a DynamicCache layer in a buffer with room to grow; whatever
+    transformers does to the layer in between (its own update, crop) is adopted anew."""
+    model = tiny_random("llama")
+    ref_cache, cache = DynamicCache(), DynamicCache()
+    with torch.no_grad():
+        model(PROMPT, cache=ref_cache)
+        with lean_decode(model) as handle:
+            model(PROMPT, cache=cache)
+            for i, t in enumerate(STEPS * 20):  # 100 steps: the buffer grows more than once
+                if i == 50:  # transformers' own path (two tokens) and a crop in between
+                    for c in (ref_cache, cache):
+                        model(torch.tensor([[4, 5]]), cache=c)
+                        c.crop(-1)
+                got = model(torch.tensor([[t]]), cache=cache).logits
+                handle.disable()
+                ref = model(torch.tensor([[t]]), cache=ref_cache).logits
+                handle = lean_decode(model)
+                assert torch.equal(got, ref), i
+                layer = cache.layers[0]
+                assert layer.keys.shape == ref_cache.layers[0].keys.shape
+                assert torch.equal(layer.keys, ref_cache.layers[0].keys)
+    buf = cache.layers[0].__dict__["_lessmem_buf"][0]  # grown in place: a view of a longer buffer
+    assert cache.layers[0].keys.data_ptr() == buf.data_ptr() and buf.shape[2] > cache.get_seq_length()
+    assert cache.get_seq_length() == PROMPT.shape[1] + 101
