@@ -247,7 +247,7 @@ def test_batch_of_requests_equals_each_alone_and_the_reference(bits, tg, dg, kin
 
 
 def test_batch_of_requests_refuses_mixed_formats_and_bad_pieces():
-    from lessmem.kernels.attention import cpp_available, fused_attention_batch
+    from lessmem.kernels.attention import cpp_available, fused_attention_batch, fused_attention_rows
 
     if not cpp_available():
         pytest.skip("no C++ compiler")
@@ -258,6 +258,19 @@ def test_batch_of_requests_refuses_mixed_formats_and_bad_pieces():
     q = torch.randn(2, 4, 64)
     with pytest.raises(ValueError, match="one format for all"):
         fused_attention_batch(q, q, [a, b], [cur, cur])
-    bad = [(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64).half())]  # keys fp32, values fp16
-    with pytest.raises(RuntimeError, match="the same for keys and values"):
+    with pytest.raises(ValueError, match="one format for all"):
+        fused_attention_rows(q, 0.5, None, None, [a, b], [cur, cur])
+    bad = [(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 3, 64))]  # values of another length
+    with pytest.raises(RuntimeError, match="keys and values of one shape"):
         fused_attention_batch(q[:1], q[:1], [a], [bad])
+    # a piece the kernel cannot read in place (keys fp32, values fp16; strided rows) is
+    # converted for the call: the same result as the float32 contiguous piece
+    k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
+    want = fused_attention_batch(q[:1], q[:1], [a], [[(k, v)]])
+    wide = torch.randn(1, 2, 5, 128)
+    wide[..., ::2] = k
+    for odd in ((k, v.half().float()), (wide[..., ::2], v)):
+        got = fused_attention_batch(q[:1], q[:1], [a], [[odd]])
+        torch.testing.assert_close(got[0], want[0])
+    mixed = fused_attention_batch(q[:1], q[:1], [a], [[(k, v.half())]])
+    torch.testing.assert_close(mixed[1], want[1], atol=1e-3, rtol=1e-3)

@@ -16,7 +16,7 @@ from lessmem.decode import lean_decode, lean_disable, why_not
 from lessmem.kvcache import KVCache, enable
 from lessmem.models import tiny_random
 
-PROMPT = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1))
+PROMPT = torch.randint(3, 250, (1, 80), generator=torch.Generator().manual_seed(1))
 STEPS = [7, 99, 12, 250, 3]
 
 
@@ -36,7 +36,15 @@ def _decode(model, cache, lean: bool, steps=STEPS, prompt=PROMPT, **kw):
 
 
 def _cache(model, kind):
-    return DynamicCache() if kind == "dynamic" else KVCache(model.config, kind)
+    """A DynamicCache, or a lessmem preset with a short window so the prompt fills a
+    quantized history (the fused kernel's path, not only the full-precision window)."""
+    if kind == "dynamic":
+        return DynamicCache()
+    import dataclasses
+
+    from lessmem.kvcache import PRESETS
+
+    return KVCache(model.config, dataclasses.replace(PRESETS[kind], window=8, block_size=64))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -191,3 +199,20 @@ def test_dynamic_cache_grows_in_place_and_stays_a_dynamic_cache():
     buf = cache.layers[0].__dict__["_lessmem_buf"][0]  # grown in place: a view of a longer buffer
     assert cache.layers[0].keys.data_ptr() == buf.data_ptr() and buf.shape[2] > cache.get_seq_length()
     assert cache.get_seq_length() == PROMPT.shape[1] + 101
+
+
+@pytest.mark.parametrize("rotate", [(True, False), (False, True), (True, True)])
+def test_rotated_keys_and_values_match_the_dequantized_path(rotate):
+    """The one-call decode row (queries scaled and rotated, values un-rotated inside the C++
+    call) against the dequantized path on the same cache config."""
+    import dataclasses
+
+    from lessmem.kvcache import PRESETS
+
+    model = tiny_random("llama", num_layers=2)
+    cfg = dataclasses.replace(PRESETS["best-4"], window=8, block_size=64, rotate_keys=rotate[0],
+                              rotate_values=rotate[1])
+    ref, _ = _decode(model, KVCache(model.config, cfg, attention="reference"), lean=False)
+    got, handle = _decode(model, KVCache(model.config, cfg), lean=True)
+    assert handle.steps == len(STEPS)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)

@@ -357,25 +357,48 @@ def _fp_pair(k: torch.Tensor, v: torch.Tensor):
     return k, v
 
 
-def fused_attention_row(q_h: torch.Tensor, q_f: torch.Tensor, kv, pieces: list):
-    """:func:`fused_attention_batch` for one request (a decode step of batch 1), the same C++
-    call with the same arguments (so the same result), its history's part made once per
-    history object and thread count instead of once per call: a decode step makes this
-    call in every layer, and assembling the arguments had cost as long as the attention.
-    ``q_h``, ``q_f``: contiguous float32 [1, Hq, D]. None without the C++ kernel."""
-    mod = _module() if q_h.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
-    if mod is None:
+def fused_attention_rows(q: torch.Tensor, scaling: float, rk: torch.Tensor | None, rv: torch.Tensor | None,
+                         histories: list, fp_pieces: list):
+    """Decode rows in one C++ call with everything around the attention inside it
+    (``qattn_rows``): ``q`` [R, Hq, D] as the model made it (unscaled, unrotated; any float
+    dtype), row r against ``histories[r]`` (one format for all) and its full-precision pieces
+    ``fp_pieces[r]`` (a list of ``(k, v)`` [1, Hkv, L, D], read in place where the kernel
+    can). ``rk``: Rᵀ of the keys' rotation (``x @ rk`` rotates), ``rv``: R of the values'
+    (``y @ rv`` undoes it), None for none. Returns the attention output [R, Hq, D] float32
+    (each row the same whatever else is in the call), or None without the C++ kernel.
+
+    A history's part of the arguments is made once per history object and thread count (a
+    decode step makes this call in every layer; assembling them had cost as long as the
+    attention)."""
+    mod = _module() if q.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
+    if mod is None or not histories:
         return None
     nt = torch.get_num_threads()
-    got = kv.__dict__.get("_lessmem_row_args")
-    if got is None or got[0] != nt:
-        first = _kernel_args(kv)
-        got = kv.__dict__["_lessmem_row_args"] = (
-            nt, [_kernel_table(kv)], kv.n_kv_heads, (*first[3:9], *first[12:18]), [first[18]],
-            [_n_split(1, kv.n_kv_heads, kv.n_tokens)])
-    pairs = [_fp_pair(k, v) for k, v in pieces]
-    return mod.qattn_batch(q_h, q_f, got[1], got[2], *got[3], got[4], [[p[0] for p in pairs]],
-                           [[p[1] for p in pairs]], got[5])
+    kl = vl = None
+    tables, seg, splits = [], [], []
+    for r, kv in enumerate(histories):
+        got = kv.__dict__.get("_lessmem_row_args")
+        if got is None or got[0] != nt:
+            first = _kernel_args(kv)
+            got = kv.__dict__["_lessmem_row_args"] = (
+                nt, _kernel_table(kv), (*first[3:9], *first[12:18]), first[18],
+                _n_split(1, kv.n_kv_heads, kv.n_tokens), _layouts(kv))
+        if r == 0:
+            kl, vl, fmt = got[5][0], got[5][1], got[2]
+        elif got[5] != (kl, vl):
+            raise ValueError(f"history {r} is stored in another format than history 0 "
+                             f"({got[5][0].bits}/{got[5][1].bits} bits, {kl.bits}/{vl.bits} there); "
+                             "allowed: one format for all")
+        tables.append(got[1])
+        seg.append(got[3])
+        splits.append(got[4])
+    e = _EMPTY
+    return mod.qattn_rows(q, float(scaling), e if rk is None else rk, e if rv is None else rv, tables,
+                          histories[0].n_kv_heads, *fmt, seg, [[p[0] for p in ps] for ps in fp_pieces],
+                          [[p[1] for p in ps] for ps in fp_pieces], splits)
+
+
+_EMPTY = torch.empty(0, dtype=torch.float32)
 
 
 def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list, fp_pieces: list):

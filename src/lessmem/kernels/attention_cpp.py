@@ -12,10 +12,12 @@ per-channel key groups of a multiple of TILE tokens scale the query rows once a 
 per value token scales p (``Σ p·s·c − Σ p·s·z``). Splits are merged with their log-sum-exp at the end. Nothing the size of the
 history is ever materialized in float.
 
-Two entries share that loop: ``qattn_forward`` (one batch of query rows against one
-history, as a ``KVCache`` layer asks) and ``qattn_batch`` (a serving step: one decode
+Three entries share that loop: ``qattn_forward`` (one batch of query rows against one
+history, as a ``KVCache`` layer asks), ``qattn_batch`` (a serving step: one decode
 row each of many requests, each against its own history and full-precision pieces, in
-one parallel region over requests × KV heads × splits).
+one parallel region over requests × KV heads × splits) and ``qattn_rows`` (the same with
+the query's scaling, the key and value rotations and the final sum done in the call: a
+decode row is one call, nothing around it in Python).
 
 Code rows are unpacked as the side's :class:`~lessmem.formats.kvlayout.KVLayout` says:
 the caller passes each side's packing (its id in ``PACKING_IDS``; the ids are compiled
@@ -29,7 +31,7 @@ from __future__ import annotations
 from ._build import load_cpp_file
 
 PACKING_IDS = {"split": 0, "stream": 1}  # KVLayout.packing -> the id the kernel receives
-FUNCTIONS = ["qattn_forward", "qattn_batch"]
+FUNCTIONS = ["qattn_forward", "qattn_batch", "qattn_rows"]
 
 
 def build_flags() -> list[str]:

@@ -28,8 +28,7 @@ from ..kernels.attention import (
     QuantKV,
     QuantSide,
     fused_attention,
-    fused_attention_batch,
-    fused_attention_row,
+    fused_attention_rows,
     quantized_attention,
 )
 
@@ -114,26 +113,30 @@ def _rot_matrix(rot, device) -> torch.Tensor:
     return cache[device]
 
 
-def attend_decode_rows(views: list, q_f: torch.Tensor) -> torch.Tensor | None:
-    """Decode rows, one query token each, over their own views' histories: ``q_f`` [R, Hq, D]
-    float32, already scaled, row r against ``views[r]`` (all rotated like ``views[0]``).
-    One C++ call reads every history and every full-precision piece (sinks, window, current
-    token) in place, as stored (fp16 or fp32): nothing is concatenated or cast. Rotation
-    is applied per row (``bmm``), so a row's result does not depend on the others.
+def _rot_matrices(view) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(Rᵀ of the keys' rotation, R of the values'), as ``fused_attention_rows`` takes them."""
+    rk = _rot_matrix(view.rot_k, "cpu") if view.rot_k is not None else None
+    if view.rot_v is None:
+        return rk, None
+    cache = view.rot_v.__dict__.setdefault("_lessmem_r", {})
+    if "cpu" not in cache:
+        cache["cpu"] = _rot_matrix(view.rot_v, "cpu").T.contiguous()
+    return rk, cache["cpu"]
+
+
+def attend_decode_rows(views: list, q: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """Decode rows, one query token each, over their own views' histories: ``q`` [R, Hq, D]
+    as the model made it (unscaled), row r against ``views[r]`` (all rotated like
+    ``views[0]``). One C++ call (``fused_attention_rows``) scales and rotates the queries,
+    reads every history and every full-precision piece (sinks, window, current token) in
+    place, as stored (fp16 or fp32), and un-rotates and sums the parts: nothing is
+    concatenated or cast around it. A row's result does not depend on the others.
     Returns [R, Hq, D] float32, or None without the C++ kernel (or off the CPU: the rows
     then go through ``LayerView.attend``'s op path, Triton on CUDA)."""
-    R, _, D = q_f.shape
-    if q_f.device.type != "cpu":  # the one-call kernel reads CPU memory: the caller takes the op path
+    if q.device.type != "cpu":  # the one-call kernel reads CPU memory: the caller takes the op path
         return None
-    rot_k, rot_v = views[0].rot_k, views[0].rot_v
-    q_h = torch.bmm(q_f, _rot_matrix(rot_k, q_f.device).expand(R, D, D)) if rot_k is not None else q_f
-    res = fused_attention_batch(q_h, q_f, [v.history for v in views], [v.fp_pieces() for v in views])
-    if res is None:
-        return None
-    out_h, out_f = res
-    if rot_v is not None:
-        out_h = torch.bmm(out_h, _rot_matrix(rot_v, q_f.device).T.expand(R, D, D))
-    return out_f + out_h
+    rk, rv = _rot_matrices(views[0])
+    return fused_attention_rows(q, scaling, rk, rv, [v.history for v in views], [v.fp_pieces() for v in views])
 
 
 @dataclass
@@ -215,21 +218,12 @@ class LayerView:
 
     def _attend_row(self, q, scaling):
         """One decode row (batch 1, one query token, no mask): :func:`attend_decode_rows` for
-        one view, bit for bit, with less around the C++ call (``fused_attention_row``); None
-        without the C++ kernel or off the CPU."""
-        if q.device.type != "cpu":
-            return None
+        one view; None without the C++ kernel or off the CPU."""
         Hq, D = q.shape[1], q.shape[3]
-        qf = q.reshape(1, Hq, D)
-        qf = (qf if qf.dtype == torch.float32 else qf.float()) * scaling
-        q_h = torch.bmm(qf, _rot_matrix(self.rot_k, qf.device).expand(1, D, D)) if self.rot_k is not None else qf
-        res = fused_attention_row(q_h, qf, self.history, self.fp_pieces())
-        if res is None:
+        out = attend_decode_rows([self], q.reshape(1, Hq, D), scaling)
+        if out is None:
             return None
-        out_h, out_f = res
-        if self.rot_v is not None:
-            out_h = torch.bmm(out_h, _rot_matrix(self.rot_v, qf.device).T.expand(1, D, D))
-        out = out_f.add_(out_h).view(1, Hq, 1, D)
+        out = out.view(1, Hq, 1, D)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def _history_slices(self):

@@ -50,7 +50,7 @@ class Segment:
 class BatchView:
     """Attention over a packed step: each segment against its own cache's view. The
     decode rows (one token of a request with a quantized history) are answered together,
-    in one C++ call over all their requests (``fused_attention_batch``): one parallel
+    in one C++ call over all their requests (``fused_attention_rows``): one parallel
     region a layer instead of one per request, the window and current token read where
     they lie. A request's result does not depend on the others in the call."""
 
@@ -72,8 +72,8 @@ class BatchView:
     def _decode_rows(self, q: torch.Tensor, rows: list[int], scaling: float):
         """[1, Hq, R, D] for the decode rows ``rows`` (segment indices), or None."""
         idx = torch.tensor([self.segments[i].start for i in rows], device=q.device)
-        q_f = (q[0].index_select(1, idx).transpose(0, 1).float() * scaling).contiguous()  # [R, Hq, D]
-        out = attend_decode_rows([self.views[i] for i in rows], q_f)
+        q_r = q[0].index_select(1, idx).transpose(0, 1)  # [R, Hq, D], scaled in the kernel's call
+        out = attend_decode_rows([self.views[i] for i in rows], q_r, scaling)
         return None if out is None else out.transpose(0, 1).unsqueeze(0).to(q.dtype)
 
     def attend(self, q: torch.Tensor, mask, scaling: float) -> torch.Tensor:

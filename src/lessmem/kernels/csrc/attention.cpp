@@ -551,9 +551,11 @@ std::vector<torch::Tensor> qattn_forward(
 // qattn_forward: read through a table made once per history object, since converting
 // each step's thousand part tensors cost more than the attention itself on a cold
 // cache) — and qf[r] (scaled, unrotated) for its full-precision pieces fk[r][i], fv[r][i]
-// [1, Hkv, L_i, D] float32 or float16 (sinks, window, current token: all visible). All requests
-// share the formats. One parallel region over requests × KV heads × splits. Returns
-// {out_h, out_f} [R, Hq, D], divided by each row's joint softmax sum (as qattn_forward).
+// [1, Hkv, L_i, D] (sinks, window, current token: all visible; float32 or float16 rows of D
+// read in place, heads any number of rows apart; any other piece is converted first and
+// kept for the call). All requests share the formats. One parallel region over requests ×
+// KV heads × splits. Returns {out_h, out_f} [R, Hq, D], divided by each row's joint softmax
+// sum (as qattn_forward).
 std::vector<torch::Tensor> qattn_batch(
     torch::Tensor q, torch::Tensor qf, std::vector<torch::Tensor> tables, int64_t Hkv,
     torch::Tensor klut, int64_t kpack, int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
@@ -590,7 +592,15 @@ std::vector<torch::Tensor> qattn_batch(
   auto out_h = torch::zeros({R, Hq, D}, torch::kFloat32);
   auto out_f = torch::zeros({R, Hq, D}, torch::kFloat32);
   std::vector<Job> jobs(R);
+  std::vector<torch::Tensor> keep;  // pieces converted for this call
   int64_t used = 0;
+  // a piece as the kernel reads it: float32/float16, rows of D contiguous and in order within
+  // a head, heads any number of rows apart (a window is a prefix of a buffer with room to grow)
+  auto readable = [D](const torch::Tensor& t) {
+    const auto dt = t.scalar_type();
+    return (dt == torch::kFloat32 || dt == torch::kFloat16) && t.dim() == 4 && t.size(3) == D && t.stride(3) == 1
+           && (t.size(2) < 2 || t.stride(2) == D) && (t.size(1) < 2 || t.stride(1) >= t.size(2) * D);
+  };
   for (int64_t r = 0; r < R; ++r) {
     Job& J = jobs[r];
     J.K = &K[r]; J.V = &V[r]; J.B = 1; J.Tq = 1; J.nsplit = nsplit[r] < 1 ? 1 : nsplit[r];
@@ -599,16 +609,16 @@ std::vector<torch::Tensor> qattn_batch(
     J.F.q = qf.data_ptr<float>() + r * Hq * D;
     TORCH_CHECK(fk[r].size() == fv[r].size(), "qattn_batch: as many value pieces as key pieces");
     for (size_t i = 0; i < fk[r].size(); ++i) {
-      const auto& a = fk[r][i]; const auto& b = fv[r][i];
-      const auto dt = a.scalar_type();
-      TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kFloat16) && b.scalar_type() == dt
-                  && a.dim() == 4 && a.sizes() == b.sizes() && a.size(0) == 1 && a.size(1) == Hkv
-                  && a.size(3) == D && a.stride(3) == 1 && b.stride(3) == 1
-                  && (a.size(2) < 2 || (a.stride(2) == D && b.stride(2) == D))
-                  && (Hkv < 2 || (a.stride(1) == b.stride(1) && a.stride(1) >= a.size(2) * D)),
-                  "qattn_batch: full-precision pieces must be float32 or float16 [1, Hkv, L, D], rows of D "
-                  "contiguous, heads any number of rows apart (the same for keys and values)");
-      if (a.size(2)) J.F.add(a.data_ptr(), b.data_ptr(), a.size(2), dt == torch::kFloat16, a.stride(1));
+      torch::Tensor a = fk[r][i], b = fv[r][i];
+      TORCH_CHECK(a.dim() == 4 && a.sizes() == b.sizes() && a.size(0) == 1 && a.size(1) == Hkv && a.size(3) == D,
+                  "qattn_batch: full-precision pieces must be [1, Hkv, L, D] keys and values of one shape");
+      if (!readable(a) || !readable(b) || b.scalar_type() != a.scalar_type() || (Hkv > 1 && a.stride(1) != b.stride(1))) {
+        const auto dt = a.scalar_type() == torch::kFloat16 && b.scalar_type() == torch::kFloat16 ? torch::kFloat16
+                                                                                                   : torch::kFloat32;
+        keep.push_back(a.to(dt).contiguous()); a = keep.back();
+        keep.push_back(b.to(dt).contiguous()); b = keep.back();
+      }
+      if (a.size(2)) J.F.add(a.data_ptr(), b.data_ptr(), a.size(2), a.scalar_type() == torch::kFloat16, a.stride(1));
     }
     const int64_t n = Hkv * (J.nsplit + 1) * nrep;
     J.pm = pp + used; J.pl = pp + used + n; J.pa = pp + used + 2 * n;
@@ -618,4 +628,46 @@ std::vector<torch::Tensor> qattn_batch(
   }
   run_jobs(jobs, D, Hq, Hkv);
   return {out_h, out_f};
+}
+
+// x [R, Hq, D] times m [D, D] (x @ m), row by row: the same sums whatever R is.
+static torch::Tensor rows_times(const torch::Tensor& x, const torch::Tensor& m) {
+  const int64_t n = x.size(0) * x.size(1), D = x.size(2);
+  auto out = torch::zeros_like(x);
+  const float* xp = x.data_ptr<float>(); const float* mp = m.data_ptr<float>(); float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float* __restrict__ o = op + i * D;
+    for (int64_t k = 0; k < D; ++k) {
+      const float a = xp[i * D + k];
+      const float* __restrict__ row = mp + k * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += a * row[d];
+    }
+  }
+  return out;
+}
+
+// Decode rows as qattn_batch, the query's scaling and the rotations included, one output:
+// q [R, Hq, D] float32 as the model made it (unscaled, unrotated); rk = Rᵀ of the keys'
+// rotation (x @ rk rotates; empty: none), rv = R of the values' (y @ rv undoes it; empty:
+// none). Returns out [R, Hq, D] = out_f + out_h·rv. Each row's result does not depend on
+// the others (rows are rotated one by one, in the same order of sums).
+torch::Tensor qattn_rows(
+    torch::Tensor q, double scale, torch::Tensor rk, torch::Tensor rv, std::vector<torch::Tensor> tables, int64_t Hkv,
+    torch::Tensor klut, int64_t kpack, int64_t kbits, int64_t ktg, int64_t kdg, double kzc,
+    torch::Tensor vlut, int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, std::vector<int64_t> seg,
+    std::vector<std::vector<torch::Tensor>> fk, std::vector<std::vector<torch::Tensor>> fv,
+    std::vector<int64_t> nsplit) {
+  TORCH_CHECK(q.dim() == 3, "qattn_rows: q must be [R, Hq, D]");
+  const int64_t D = q.size(2);
+  for (const auto* m : {&rk, &rv})
+    TORCH_CHECK(m->numel() == 0 || (m->dim() == 2 && m->size(0) == D && m->size(1) == D
+                                    && m->scalar_type() == torch::kFloat32 && m->is_contiguous()),
+                "qattn_rows: rotation matrices must be contiguous float32 [D, D] (or empty)");
+  auto qf = (q.to(torch::kFloat32) * scale).contiguous();
+  auto qh = rk.numel() ? rows_times(qf, rk) : qf;
+  auto outs = qattn_batch(qh, qf, tables, Hkv, klut, kpack, kbits, ktg, kdg, kzc, vlut, vpack, vbits, vtg, vdg,
+                          vzc, seg, fk, fv, nsplit);
+  auto out_h = rv.numel() ? rows_times(outs[0], rv) : outs[0];
+  return outs[1].add_(out_h);
 }
