@@ -28,12 +28,13 @@ LAYERS = {
     "offload": 3,     # tiers, block storage
     "weights": 3,     # weight quantization (a sibling of offload: neither imports the other)
     "kvcache": 4,     # the KV caches (tiered one on top of offload)
-    "models": 5,      # loading models (uses weights for GGUF files)
-    "plan": 6,        # arithmetic on paper (imports base only; torch-free)
-    "eval": 7,        # measurement over everything below
-    "serve": 7,       # the serving engine and server (a sibling of eval: neither imports the other)
-    "facade": 8,      # ``lessmem/__init__``: public names resolved lazily (strings, no arrows)
-    "cli": 9,         # the command line
+    "decode": 5,      # the lean decode step (walks a model's layers over the caches and weights)
+    "models": 6,      # loading models (uses weights for GGUF files, switches on the lean step)
+    "plan": 7,        # arithmetic on paper (imports base only; torch-free)
+    "eval": 8,        # measurement over everything below
+    "serve": 8,       # the serving engine and server (a sibling of eval: neither imports the other)
+    "facade": 9,      # ``lessmem/__init__``: public names resolved lazily (strings, no arrows)
+    "cli": 10,        # the command line
 }
 
 

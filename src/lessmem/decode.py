@@ -103,32 +103,34 @@ def _is_rms(m) -> bool:
 
 
 def _proj(m):
-    """A callable x -> m(x) without the module call: the GGUF op for a GGUFLinear."""
+    """A callable x -> m(x) without the module call: the GGUF op for a GGUFLinear. Tensors
+    and flags are read from the module at each call (its ``_buffers``/``_parameters`` dicts:
+    cheap), so moving the model or ``set_int8_activations`` after the switch is seen."""
     from .weights.gguf_linear import _GGUF, GGUFLinear
+    from .weights.qlinear import FUSED_MAX_ROWS
 
     if type(m) is GGUFLinear:
-        qw, tid, n, bias, i8 = m.qweight, m._type.ggml_id, m.out_features, m.bias, m.int8_activations
-        fused_max = _fused_max_rows() * m.in_features
-        return lambda x: _GGUF(x, qw, tid, n, bias, i8) if x.numel() <= fused_max else m.forward(x)
+        bufs, params, tid, n = m._buffers, m._parameters, m._type.ggml_id, m.out_features
+        fused_max = FUSED_MAX_ROWS * m.in_features
+        return lambda x: (_GGUF(x, bufs["qweight"], tid, n, params.get("bias"), m.int8_activations)
+                          if x.numel() <= fused_max else m.forward(x))
     if type(m) is nn.Linear:
-        w, b = m.weight, m.bias
-        return lambda x: F.linear(x, w, b)
+        params = m._parameters
+        return lambda x: F.linear(x, params["weight"], params["bias"])
     return m.forward
 
 
-def _fused_max_rows() -> int:
-    from .weights.qlinear import FUSED_MAX_ROWS
-
-    return FUSED_MAX_ROWS
-
-
 def _norm(m):
-    """RMSNorm as a callable: one ``torch.rms_norm`` for float32, else transformers' steps."""
-    w, eps = m.weight, m.variance_epsilon
-    if w.dtype == torch.float32:
-        shape = (w.shape[-1],)
-        return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else _rms_steps(x, w, eps)
-    return lambda x: _rms_steps(x, w, eps)
+    """RMSNorm as a callable: one ``torch.rms_norm`` for float32, else transformers' steps
+    (the same numbers: tested bit for bit)."""
+    params, eps = m._parameters, m.variance_epsilon
+
+    def norm(x):
+        w = params["weight"]
+        if w.dtype == torch.float32 and x.dtype == torch.float32:
+            return F.rms_norm(x, (w.shape[-1],), w, eps)
+        return _rms_steps(x, w, eps)
+    return norm
 
 
 def _rms_steps(x, w, eps):

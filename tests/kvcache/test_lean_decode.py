@@ -216,3 +216,18 @@ def test_rotated_keys_and_values_match_the_dequantized_path(rotate):
     got, handle = _decode(model, KVCache(model.config, cfg), lean=True)
     assert handle.steps == len(STEPS)
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_sees_int8_activations_switched_after_the_switch():
+    model = tiny_random("llama", hidden_size=64, intermediate_size=128)
+    lessmem.quantize_(model, lessmem.GGUFConfig("Q4_0"))
+    from lessmem.weights.gguf_linear import set_int8_activations
+
+    set_int8_activations(model, True)
+    handle = lean_decode(model)
+    _decode(model, DynamicCache(), lean=False)  # gathered with int8 activations on
+    set_int8_activations(model, False)
+    got, _ = _decode(model, DynamicCache(), lean=False)
+    handle.disable()
+    ref, _ = _decode(model, DynamicCache(), lean=False)
+    assert handle.steps == 2 * len(STEPS) and torch.equal(got, ref)
