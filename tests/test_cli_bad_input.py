@@ -346,6 +346,8 @@ ROWS = [
     (("quantize", "--model", "{D}/tiny.gguf", "--format", "gguf", "--out", "{T}/x.bin"), "--out"),
     ((*QG, *M, "--format", "gguf"), "--model"),
     ((*QG, "--model", "{D}/bad.gguf", "--format", "gguf"), "--model"),
+    ((*QG, "--model", "{D}/tiny.gguf", "--format", "gguf", "--imatrix", "{D}/plain"), "--imatrix"),
+    ((*QG, "--model", "{D}/tiny.gguf", "--format", "gguf", "--imatrix-out", "{T}/im.dat"), "--imatrix-out"),
     ((*Q, *M, "--group-fallback=1"), "--group-fallback"),
     (("quantize", *M), "--out"),
     ((*Q, *M, "--symmetric=1"), "--symmetric"),

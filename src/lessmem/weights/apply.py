@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 
@@ -39,37 +38,10 @@ from .experts import fused_expert_params, split_experts
 from .fp8 import FP8Linear
 from .gguf_apply import apply_gguf
 from .hqq import hqq_quantize
+from .progress import _Progress
 from .qlinear import QuantLinear
 from .rtn import rtn_quantize
 from .solvers import SOLVERS, LayerSpec
-
-
-class _Progress:
-    """A per-layer progress bar on stderr (rich when available and interactive)."""
-
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self.total, self.desc, self.enabled, self.i = total, desc, enabled, 0
-        self._rich = None
-        if enabled and sys.stderr.isatty():
-            try:
-                from rich.progress import Progress
-
-                self._rich = Progress(transient=True)
-                self._rich.start()
-                self._task = self._rich.add_task(desc, total=total)
-            except ImportError:
-                self._rich = None
-
-    def step(self, what: str) -> None:
-        self.i += 1
-        if self._rich is not None:
-            self._rich.update(self._task, advance=1, description=f"{self.desc}: {what}")
-        elif self.enabled:
-            print(f"[{self.i}/{self.total}] {self.desc}: {what}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
 
 
 def _targets(model: nn.Module, config: WeightConfig, filter_fn) -> dict[str, LayerSpec]:

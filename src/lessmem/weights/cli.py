@@ -4,6 +4,8 @@
     lessmem quantize --model smollm2-135m --method hqq --bits 3 --group-size 64 --out DIR
     lessmem quantize --model smollm2-135m --method fp8 --act none --out DIR
     lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --out model.gguf
+    lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --method imatrix --out model.gguf
+    lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --imatrix imatrix.gguf --out model.gguf
 
 Without ``--group-size`` the group is 128, and where 128 does not divide a layer's
 inputs (the built-in model's 576-wide layers) the largest of 64/32 that does, as
@@ -15,6 +17,15 @@ size. Every option is checked before the model loads.
 (W8A8, ``torch._scaled_mm``), ``--act none`` keeps them float (weight-only). Like
 SmoothQuant, it ignores ``--bits``, ``--group-size`` and ``--symmetric``; the other
 methods ignore ``--act``.
+
+``--format gguf`` re-encodes a GGUF model (a .gguf file or a built-in alias) in the llama.cpp
+mix ``--type``. ``--method imatrix`` first computes an importance matrix (llama.cpp's
+``llama-imatrix``, ``weights.imatrix.collect_imatrix``: the model run over ``--n-samples``
+windows of ``--seq-len`` tokens of the calibration text) and encodes every tensor it covers
+with it, as ``llama-quantize --imatrix`` does; ``--imatrix FILE`` reads one instead
+(llama.cpp's GGUF or legacy ``.dat`` format, checked, with its entries' lengths against the
+model's tensors, before any work); ``--imatrix-out FILE`` writes the matrix used (GGUF for a
+``.gguf`` name, else the legacy format). These three need ``--format gguf``.
 
 ``--calibration FILE`` picks the calibration text (default: the built-in corpus,
 ``pydoc_data.topics``); the summary says which was used. ``--json`` prints the report
@@ -35,11 +46,22 @@ from lessmem._cli_model import check_model, peek_model
 from lessmem._console import publish
 
 HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, FP8, GGUF)"
-METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8")
+METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8", "imatrix")
+CHECKPOINT_METHODS = METHODS[:-1]  # --format lessmem; imatrix is for --format gguf
 ACTS = ("fp8", "none")
 FORMATS = ("lessmem", "gguf")
 DEFAULT_GROUP = 128
 PER_CHANNEL = ("none", "0", "per-channel")
+
+
+def _imatrix_file(text: str) -> Path:
+    """``--imatrix``: an existing, non-empty file (its content is checked in ``check``)."""
+    p = Path(text).expanduser()
+    if not p.is_file():
+        raise T.bad(text, "allowed: an existing imatrix file (llama.cpp GGUF or legacy .dat)")
+    if p.stat().st_size == 0:
+        raise T.bad(text, "the file is empty; allowed: an imatrix file (llama.cpp GGUF or legacy .dat)")
+    return p
 
 
 def _group_size(text: str) -> int | None:
@@ -51,7 +73,8 @@ def _group_size(text: str) -> int | None:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, HF dir, .gguf file or hub id")
-    p.add_argument("--method", type=T.choice(METHODS), default="rtn", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--method", type=T.choice(METHODS), default="rtn",
+                   help=f"one of {', '.join(METHODS)} (imatrix: with --format gguf)")
     p.add_argument("--bits", type=T.integer(1, 64), default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=_group_size, default=None,
                    help=f"32, 64, 128, 256 or 'none' (per-channel); default {DEFAULT_GROUP}, with "
@@ -70,6 +93,10 @@ def add_arguments(p) -> None:
                    help="--method fp8: fp8 (W8A8, FP8 activations per token) or none (weight-only)")
     p.add_argument("--format", type=T.choice(FORMATS), default="lessmem", help="lessmem (checkpoint dir) or gguf")
     p.add_argument("--type", default="Q4_K_M", help="GGUF type or mix for --format gguf")
+    p.add_argument("--imatrix", type=_imatrix_file, default=None,
+                   help="--format gguf: a llama.cpp importance matrix file (GGUF or legacy .dat) to encode with")
+    p.add_argument("--imatrix-out", type=T.out_file(), default=None,
+                   help="--format gguf: write the importance matrix used (.gguf: GGUF format, else legacy .dat)")
     p.add_argument("--out", required=True, help="output directory (or .gguf file)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -78,8 +105,8 @@ def build_config(args):
     """The weight config the options describe; ValueError naming the option when invalid."""
     from . import AWQConfig, FP8Config, GPTQConfig, HQQConfig, RTNConfig, SmoothQuantConfig
 
-    if args.method not in METHODS:
-        raise T.OptionError("--method", args.method, f"allowed: {', '.join(METHODS)}")
+    if args.method not in CHECKPOINT_METHODS:
+        raise T.OptionError("--method", args.method, _method_allowed(args.method))
     gs = DEFAULT_GROUP if args.group_size is None else args.group_size
     common = dict(bits=args.bits, group_size=gs, symmetric=args.symmetric or args.bits == 8,
                   group_fallback=args.group_fallback or args.group_size is None)
@@ -130,6 +157,58 @@ def _check_groups(args, config, shape: dict | None) -> None:
                             + ("" if config.group_fallback else ", or add --group-fallback"))
 
 
+def _method_allowed(method: str) -> str:
+    if method == "imatrix":
+        return ("needs --format gguf (an importance matrix steers llama.cpp's GGUF quantizers); "
+                f"allowed with --format lessmem: {', '.join(CHECKPOINT_METHODS)}")
+    return f"allowed: {', '.join(METHODS)}"
+
+
+def _check_imatrix(args) -> None:
+    """--method imatrix / --imatrix / --imatrix-out with --format gguf: read and check the
+    matrix given against the source model's tensors, before any work."""
+    from ..formats.gguf_file import read_gguf_header
+    from .imatrix import check_columns, read_imatrix
+
+    given, out = getattr(args, "imatrix", None), getattr(args, "imatrix_out", None)
+    args.imatrix_data = None
+    if args.method == "imatrix" and given is not None:
+        raise T.OptionError("--imatrix", given, "choose one of --imatrix FILE (read a matrix) and "
+                            "--method imatrix (compute one)")
+    if args.method not in ("rtn", "imatrix") and (given is not None or out is not None):
+        raise T.OptionError("--method", args.method, "--format gguf encodes with llama.cpp's quantizers; "
+                            "allowed with --imatrix/--imatrix-out: imatrix (or none)")
+    if out is not None:
+        if given is None and args.method != "imatrix":
+            raise T.OptionError("--imatrix-out", out, "needs --method imatrix (a matrix to compute) or "
+                                "--imatrix FILE (one to convert)")
+        if Path(out).resolve() == Path(args.out).resolve():
+            raise T.OptionError("--imatrix-out", out, "is the --out file; allowed: another file")
+    if args.method == "imatrix":
+        shape = peek_model(str(args.source))
+        ctx = shape and shape["context"]
+        if ctx and args.seq_len > ctx:
+            raise T.OptionError("--seq-len", args.seq_len, f"allowed: at most the model's context ({ctx:,})")
+    if given is None:
+        return
+    try:
+        im = read_imatrix(given)
+    except ValueError as exc:
+        raise T.OptionError("--imatrix", given, f"{exc}; allowed: a llama.cpp imatrix file (GGUF or "
+                            "legacy .dat)") from None
+    header = read_gguf_header(args.source)
+    tensors = [(t.name, t.shape[0]) for t in header.tensors if len(t.shape) >= 2]
+    try:
+        missing = check_columns(im, tensors)
+    except ValueError as exc:
+        raise T.OptionError("--imatrix", given, f"{exc}; allowed: an imatrix computed for this model") from None
+    if len(missing) == len(tensors):
+        first = ", ".join(sorted(im.entries)[:2])
+        raise T.OptionError("--imatrix", given, f"none of its {len(im)} entries ({first}, ...) names a "
+                            f"tensor of {args.source.name}; allowed: an imatrix computed for this model")
+    args.imatrix_data = im
+
+
 def check(args) -> None:
     """Every option checked before the model loads or anything is written."""
     if args.format == "gguf":
@@ -144,7 +223,15 @@ def check(args) -> None:
         if peek_model(str(args.source)) is None:
             raise T.OptionError("--model", args.model, "not a valid GGUF file; allowed: a .gguf file "
                                 "or a built-in alias")
+        _check_imatrix(args)
         return
+    if args.method == "imatrix":
+        raise T.OptionError("--method", args.method, _method_allowed(args.method))
+    for opt, value in (("--imatrix", getattr(args, "imatrix", None)),
+                       ("--imatrix-out", getattr(args, "imatrix_out", None))):
+        if value is not None:
+            raise T.OptionError(opt, value, "needs --format gguf (an importance matrix steers llama.cpp's "
+                                "GGUF quantizers)")
     check_model(args.model)
     args.out = T.apply("--out", T.out_dir, args.out)
     args.config = build_config(args)
@@ -206,17 +293,56 @@ def _group_counts(model) -> dict:
     return counts
 
 
+def _compute_imatrix(args):
+    """--method imatrix: the source model run over the calibration text (weights.imatrix)."""
+    from .. import models
+    from .imatrix import collect_imatrix
+
+    name = args.model if args.model in getattr(models, "BUILTIN", {}) else str(args.source)
+    model, tok = models.load(name)  # the blocks as stored: what llama-imatrix runs, memory-lean
+    return collect_imatrix(model, args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len,
+                           progress=not args.json)
+
+
+def _write_imatrix_out(args, im) -> None:
+    from .imatrix import write_imatrix
+
+    out = Path(args.imatrix_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_imatrix(im, out)  # written whole or not at all
+
+
 def _run_gguf(args) -> int:
     from .gguf_export import export_gguf
 
+    im = getattr(args, "imatrix_data", None)
+    source = None
+    if args.method == "imatrix":
+        im = _compute_imatrix(args)
+        source = f"computed: {args.n_samples} x {args.seq_len} tokens of {im.datasets[0]}"
+    elif im is not None:
+        source = str(args.imatrix)
+    if im is not None and getattr(args, "imatrix_out", None) is not None:
+        _write_imatrix_out(args, im)
     target, tmp = _fresh(args.out)
     try:
-        rep = export_gguf(args.source, target, args.type, progress=not args.json)
+        if im is None:
+            rep = export_gguf(args.source, target, args.type, progress=not args.json)
+        else:
+            from .imatrix import export_gguf_imatrix
+
+            record = args.imatrix if args.method != "imatrix" else getattr(args, "imatrix_out", None)
+            rep = export_gguf_imatrix(args.source, target, args.type, im, progress=not args.json,
+                                      imatrix_file=record)
         _commit(args.out, target, tmp)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     rep["source"], rep["out"] = str(args.source), str(args.out)
+    if im is not None:
+        rep["imatrix"] = {"from": source, **rep["imatrix"]}
+        if getattr(args, "imatrix_out", None) is not None:
+            rep["imatrix"]["written"] = str(args.imatrix_out)
     _print(rep, args.json)
     return 0
 

@@ -35,21 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 from dataclasses import dataclass
+
+from .checks import _check_bool, _check_int
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128, 256)
-
-
-def _check_int(name: str, owner: str, v, lo: int, hi: int | None = None):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{owner} {name}={v!r} must be an integer {rng}")
-
-
-def _check_bool(name: str, owner: str, v):
-    if not isinstance(v, bool):
-        raise ValueError(f"{owner} {name}={v!r} must be True or False")
 
 
 def _as_patterns(owner: str, v) -> tuple[str, ...]:
@@ -335,6 +327,14 @@ class GGUFConfig:
     only an ``lm_head`` tied to the embeddings is decoded back in place (see
     ``weights.gguf_apply``). ``skip``: name patterns left untouched.
 
+    ``imatrix``: an importance matrix (``weights.imatrix``: an ``IMatrix`` from
+    ``collect_imatrix``/``read_imatrix``, or the path of a llama.cpp imatrix file, GGUF or
+    legacy ``.dat``, read and checked here): every linear it has an entry for is encoded
+    with that entry's per-column importance, as ``llama-quantize --imatrix`` does; linears
+    without one are encoded without, entries naming no linear are ignored, and an entry
+    whose length is not the linear's column count is a ``ValueError`` naming the tensor
+    (raised by ``apply_gguf`` before any layer changes).
+
     Example:
         >>> GGUFConfig("Q4_K_M").type
         'Q4_K_M'
@@ -342,10 +342,15 @@ class GGUFConfig:
         Traceback (most recent call last):
         ...
         ValueError: GGUF type 'Q3_K_XL' is not supported; allowed: Q4_0, Q4_1, Q8_0, ..., Q6_K
+        >>> GGUFConfig("Q4_K_M", imatrix=3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: GGUFConfig imatrix=3 must be an IMatrix (collect_imatrix / read_imatrix) or the path ...
     """
 
     type: str = "Q4_K_M"
     skip: tuple[str, ...] = ()
+    imatrix: object = dataclasses.field(default=None, hash=False)
 
     method = "gguf"
     needs_calibration = False
@@ -358,9 +363,28 @@ class GGUFConfig:
                              "'Q4_K_M'")
         object.__setattr__(self, "type", check_mix(self.type))
         object.__setattr__(self, "skip", _as_patterns("GGUFConfig", self.skip))
+        if self.imatrix is not None:
+            from .imatrix import as_imatrix
+
+            try:
+                object.__setattr__(self, "_imatrix", as_imatrix(self.imatrix, "GGUFConfig imatrix"))
+            except ValueError as exc:
+                msg = str(exc)
+                if not msg.startswith("GGUFConfig"):
+                    msg = f"GGUFConfig imatrix={self.imatrix!r}: {msg}"
+                raise ValueError(msg) from None
+
+    def imatrix_data(self):
+        """The ``IMatrix`` to encode with (read from the file once, at construction), or None."""
+        return getattr(self, "_imatrix", None)
 
     def to_dict(self) -> dict:
-        return {"method": "gguf", "type": self.type, "skip": list(self.skip)}
+        d = {"method": "gguf", "type": self.type, "skip": list(self.skip)}
+        if self.imatrix is not None:  # what was given: a file, or an in-memory matrix
+            im = self.imatrix_data()
+            d["imatrix"] = (os.fspath(self.imatrix) if isinstance(self.imatrix, (str, os.PathLike))
+                            else f"in memory ({len(im)} entries)")
+        return d
 
 
 FP8_ACTS = ("fp8", None)

@@ -14,6 +14,12 @@ Report keys: ``method``, ``config``, ``types`` (name → GGUF type, every encode
 ``n_quantized``, and ``kept_float`` (name → why it stays float), ``bytes_held`` (bytes the
 ``GGUFLinear`` layers hold, bias included).
 
+``GGUFConfig(imatrix=...)`` (``weights.imatrix``) encodes each linear with its entry's
+per-column importance, looked up by GGUF tensor name, as ``llama-quantize --imatrix``
+does; every entry's length is checked first (``ValueError`` naming the tensor, before any
+layer changes), and the report adds ``imatrix``: ``entries``, ``weighted`` (the linears
+encoded with importance) and ``not_found`` (those without an entry, encoded without).
+
 Example:
     >>> import lessmem
     >>> from lessmem.models import tiny_random
@@ -59,14 +65,19 @@ def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
         if id(mod.weight) in done:
             continue
         done.add(id(mod.weight))
-        targets.append((name, mod))
-    for name, mod in targets:  # replace after the walk: named_modules must not see new modules
         gname = gguf_name(name) or f"{name}.weight"
         if gname == "output.weight" and tied:
             gname = "token_embd.weight"  # the tied tensor is stored once, as token_embd
+        targets.append((name, mod, gname))
+    im = config.imatrix_data() if hasattr(config, "imatrix_data") else None
+    weights = {}  # name -> per-column importance; every entry checked before any layer changes
+    if im is not None:
+        for name, mod, gname in targets:
+            weights[name] = im.for_tensor(gname, mod.in_features)
+    for name, mod, gname in targets:  # replace after the walk: named_modules must not see new modules
         t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied,
                         n_gqa=n_gqa)
-        raw = quantize_gguf(mod.weight.detach(), t)
+        raw = quantize_gguf(mod.weight.detach(), t, imatrix=weights.get(name))
         if id(mod.weight) in embedding_weights:  # tied lm_head: decode in place, stay float
             with torch.no_grad():
                 mod.weight.copy_(dequantize_gguf(raw, t, tuple(mod.weight.shape)).to(mod.weight.dtype))
@@ -79,6 +90,10 @@ def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
         nbytes += raw.nbytes
         numel += mod.weight.numel()
     model._lessmem_quant = config.to_dict()
-    return {"method": "gguf", "config": config.to_dict(), "types": types, "bytes": nbytes,
-            "bits_per_weight": 8.0 * nbytes / max(numel, 1), "n_quantized": len(types),
-            "kept_float": kept_float, "bytes_held": held}
+    report = {"method": "gguf", "config": config.to_dict(), "types": types, "bytes": nbytes,
+              "bits_per_weight": 8.0 * nbytes / max(numel, 1), "n_quantized": len(types),
+              "kept_float": kept_float, "bytes_held": held}
+    if im is not None:
+        report["imatrix"] = {"entries": len(im), "weighted": sorted(n for n, w in weights.items() if w is not None),
+                             "not_found": [n for n, _, _ in targets if weights.get(n) is None]}
+    return report

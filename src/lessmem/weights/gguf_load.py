@@ -206,6 +206,10 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8
                                                       qweight=rows, int8_activations=int8_activations))
     for name, raw, info, shape in floats:  # norms, biases, float weights
         value = _float_tensor(raw, info, shape, report, name)
+        module_name = name.rpartition(".")[0]
+        sub = module_name.split(".", 3)[-1] if module_name.startswith("model.layers.") else ""
+        if arch in _PERMUTED and sub in heads and len(shape) == 2:  # llama.cpp's q/k row order, as above
+            value = permute_rows(value, heads[sub])
         report["bytes_copied"] += value.numel() * value.element_size()
         _set_tensor(model, name, value.to(dtype))
     if "output.weight" not in tensors:  # tied: the lm_head reads the embedding's own tensor
