@@ -56,6 +56,50 @@ def _unpack_2bit(qs: np.ndarray) -> np.ndarray:
     return ((qs.reshape(-1, 2, 1, 32) >> shift) & 3).reshape(-1, QK_K)
 
 
+def _nibbles_k(L: np.ndarray) -> np.ndarray:
+    """[N, 256] codes -> [N, 128]: each 64-element chunk's first 32 in low nibbles, next 32 high."""
+    q = L.reshape(-1, 4, 2, 32).astype(np.uint8)
+    return ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
+
+
+def _bit_planes(bits: np.ndarray) -> np.ndarray:
+    """[N, 256] 0/1 -> [N, 32]: byte j holds element 32k + j at bit k (Q3_K hmask, Q5_K qh)."""
+    hb = bits.astype(np.uint8).reshape(-1, 8, 32)
+    out = np.zeros((hb.shape[0], 32), dtype=np.uint8)
+    for k in range(8):
+        out |= hb[:, k] << k
+    return out
+
+
+def _unbit_planes(b: np.ndarray) -> np.ndarray:
+    return ((b[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(-1, QK_K)
+
+
+def codes_q3_k(L: np.ndarray) -> np.ndarray:
+    """Codes 0..7 [N, 256] -> bytes 0:96 of Q3_K (hmask: bit 2; qs: bits 0-1)."""
+    return np.concatenate([_bit_planes(L > 3), _pack_2bit(L & 3)], axis=1)
+
+
+def codes_q4_k(L: np.ndarray) -> np.ndarray:
+    """Codes 0..15 -> bytes 16:144 of Q4_K."""
+    return _nibbles_k(L)
+
+
+def codes_q5_k(L: np.ndarray) -> np.ndarray:
+    """Codes 0..31 -> bytes 16:176 of Q5_K (qh: bit 4; qs: nibbles)."""
+    return np.concatenate([_bit_planes(L >> 4), _nibbles_k(L)], axis=1)
+
+
+def codes_q6_k(L: np.ndarray) -> np.ndarray:
+    """Codes 0..63 -> bytes 0:192 of Q6_K (ql: low nibbles; qh: 2 high bits)."""
+    q = L.astype(np.uint8).reshape(-1, 2, 4, 32)  # per 128: quarters q1..q4
+    ql = np.concatenate([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4),
+                         (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=2).reshape(-1, 128)
+    hi = q >> 4
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(-1, 64)
+    return np.concatenate([ql, qh], axis=1)
+
+
 def _pack_scale_min_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
     """8 six-bit scales and mins -> 12 bytes (ggml ``get_scale_min_k4`` layout)."""
     ls, lm = ls.astype(np.uint8), lm.astype(np.uint8)
@@ -171,21 +215,13 @@ def quantize_q4_k(b: np.ndarray, qw=None) -> np.ndarray:
         ((2, 256), True)
     """
     head, L = _q45_k(b, qw, 15, -1.0, 20, clamp63=False)
-    q = L.reshape(-1, 4, 2, 32).astype(np.uint8)  # 64-element chunks: low nibble, high nibble
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([head, qs], axis=1)
+    return np.concatenate([head, codes_q4_k(L)], axis=1)
 
 
 def quantize_q5_k(b: np.ndarray, qw=None) -> np.ndarray:
     """[N, 256] -> [N, 176] Q5_K bytes (as ``quantize_q4_k``, 5-bit codes)."""
     head, L = _q45_k(b, qw, 31, -0.5, 15, clamp63=True)
-    q = L.reshape(-1, 4, 2, 32).astype(np.uint8)
-    qs = ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
-    hb = (q >> 4).reshape(-1, 8, 32)  # bit 2c of qh[j] <- L[64c + j], bit 2c+1 <- L[64c + 32 + j]
-    qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
-    for k in range(8):
-        qh |= hb[:, k] << k
-    return np.concatenate([head, qh, qs], axis=1)
+    return np.concatenate([head, codes_q5_k(L)], axis=1)
 
 
 def quantize_q2_k(b: np.ndarray, qw=None) -> np.ndarray:
@@ -228,13 +264,7 @@ def quantize_q3_k(b: np.ndarray, qw=None) -> np.ndarray:
     scales = _pack_q3_scales(l6)
     d = _fp16(d_h)[:, None] * (_unpack_q3_scales(scales).astype(np.int32) - 32).astype(F32)
     L = _requant(b.reshape(N, 16, 16), d, None, -4, 3, L.reshape(N, 16, 16) - 4) + 4
-    L = L.reshape(N, QK_K)
-    # hmask[m] bit k <- (L[32k + m] > 3); the low 2 bits go to qs
-    hb = (L > 3).astype(np.uint8).reshape(N, 8, 32)
-    hmask = np.zeros((N, 32), dtype=np.uint8)
-    for k in range(8):
-        hmask |= hb[:, k] << k
-    return np.concatenate([hmask, _pack_2bit(L & 3), scales, _fp16_bytes(d_h)], axis=1)
+    return np.concatenate([codes_q3_k(L.reshape(N, QK_K)), scales, _fp16_bytes(d_h)], axis=1)
 
 
 def quantize_q6_k(b: np.ndarray, qw=None) -> np.ndarray:
@@ -252,39 +282,69 @@ def quantize_q6_k(b: np.ndarray, qw=None) -> np.ndarray:
     d = _fp16(d_h)[:, None] * s8.astype(F32)
     L = (_requant(b.reshape(N, 16, 16), d, None, -32, 31, L - 32) + 32).reshape(N, QK_K)
     L = np.where(zero[:, None], 0, L).astype(np.uint8)
-    q = L.reshape(N, 2, 4, 32)  # per 128: quarters q1..q4
-    ql = np.concatenate([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4),
-                         (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=2).reshape(N, 128)
-    hi = q >> 4
-    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(N, 64)
-    return np.concatenate([ql, qh, s8.astype(np.int8).view(np.uint8), _fp16_bytes(d_h)], axis=1)
+    return np.concatenate([codes_q6_k(L), s8.astype(np.int8).view(np.uint8), _fp16_bytes(d_h)], axis=1)
 
 
 # ---------------------------------------------------------------- dequantizers
 # Same float32 operations as gguf.quants / ggml dequantize_row_*: (d*sc)*q - (dmin*m).
 
 def dequantize_q2_k(r: np.ndarray) -> np.ndarray:
-    sc = r[:, :16]
-    dl = (_fp16_at(r, 80) * (sc & 0x0F).astype(F32))[:, :, None]
-    ml = (_fp16_at(r, 82) * (sc >> 4).astype(F32))[:, :, None]
+    dl, ml = scales_q2_k(r)
     q = _unpack_2bit(r[:, 16:80]).reshape(-1, 16, 16).astype(F32)
-    return (dl * q - ml).reshape(-1, QK_K)
+    return (dl[:, :, None] * q - ml[:, :, None]).reshape(-1, QK_K)
+
+
+def uncodes_q3_k(r: np.ndarray) -> np.ndarray:
+    """Q3_K bytes -> codes 0..7 [N, 256] (value = scale * (code - 4))."""
+    return _unpack_2bit(r[:, 32:96]) | (_unbit_planes(r[:, :32]) << 2)
+
+
+def uncodes_q4_k(r: np.ndarray) -> np.ndarray:
+    return _unnibble_k(r[:, 16:144])
+
+
+def uncodes_q5_k(r: np.ndarray) -> np.ndarray:
+    return _unnibble_k(r[:, 48:176]) | (_unbit_planes(r[:, 16:48]) << 4)
+
+
+def uncodes_q6_k(r: np.ndarray) -> np.ndarray:
+    ql, qh = r[:, :128], r[:, 128:192]
+    lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    lo = lo.reshape(-1, 2, 4, 32)
+    hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    return (lo | (hi << 4)).reshape(-1, QK_K)
+
+
+def scales_q2_k(r: np.ndarray):
+    """Per sub-block of 16: (scale, min) [N, 16] float32 as the decoder forms them."""
+    sc = r[:, :16]
+    return _fp16_at(r, 80) * (sc & 0x0F).astype(F32), _fp16_at(r, 82) * (sc >> 4).astype(F32)
+
+
+def scales_q3_k(r: np.ndarray) -> np.ndarray:
+    sc = (_unpack_q3_scales(r[:, 96:108]).astype(np.int8) - np.int8(32)).astype(F32)
+    return _fp16_at(r, 108) * sc
+
+
+def scales_q45_k(r: np.ndarray):
+    """Q4_K/Q5_K: per sub-block of 32, (scale, min) [N, 8]."""
+    sc, mn = _unpack_scale_min_k4(r[:, 4:16])
+    return _fp16_at(r, 0) * sc.astype(F32), _fp16_at(r, 2) * mn.astype(F32)
+
+
+def scales_q6_k(r: np.ndarray) -> np.ndarray:
+    return _fp16_at(r, 208) * np.ascontiguousarray(r[:, 192:208]).view(np.int8).astype(F32)
 
 
 def dequantize_q3_k(r: np.ndarray) -> np.ndarray:
-    sc = (_unpack_q3_scales(r[:, 96:108]).astype(np.int8) - np.int8(32)).astype(F32)
-    dl = (_fp16_at(r, 108) * sc)[:, :, None]
-    hm = r[:, :32]
-    hbit = ((hm[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(-1, QK_K)
-    q = _unpack_2bit(r[:, 32:96]).astype(np.int8) - ((hbit ^ 1) << 2).astype(np.int8)
+    dl = scales_q3_k(r)[:, :, None]
+    q = uncodes_q3_k(r).astype(np.int8) - np.int8(4)
     return (dl * q.reshape(-1, 16, 16).astype(F32)).reshape(-1, QK_K)
 
 
 def _dq45_k(r: np.ndarray, q: np.ndarray) -> np.ndarray:
-    sc, mn = _unpack_scale_min_k4(r[:, 4:16])
-    d = (_fp16_at(r, 0) * sc.astype(F32))[:, :, None]
-    dm = (_fp16_at(r, 2) * mn.astype(F32))[:, :, None]
-    return (d * q.reshape(-1, 8, 32).astype(F32) - dm).reshape(-1, QK_K)
+    d, dm = scales_q45_k(r)
+    return (d[:, :, None] * q.reshape(-1, 8, 32).astype(F32) - dm[:, :, None]).reshape(-1, QK_K)
 
 
 def _unnibble_k(qs: np.ndarray) -> np.ndarray:
@@ -293,21 +353,14 @@ def _unnibble_k(qs: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q4_k(r: np.ndarray) -> np.ndarray:
-    return _dq45_k(r, _unnibble_k(r[:, 16:144]))
+    return _dq45_k(r, uncodes_q4_k(r))
 
 
 def dequantize_q5_k(r: np.ndarray) -> np.ndarray:
-    qh = r[:, 16:48]
-    hbit = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(-1, QK_K)
-    return _dq45_k(r, _unnibble_k(r[:, 48:176]) | (hbit << 4))
+    return _dq45_k(r, uncodes_q5_k(r))
 
 
 def dequantize_q6_k(r: np.ndarray) -> np.ndarray:
-    ql, qh = r[:, :128], r[:, 128:192]
-    sc = np.ascontiguousarray(r[:, 192:208]).view(np.int8).astype(F32)
-    d = (_fp16_at(r, 208) * sc)[:, :, None]
-    lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    lo = lo.reshape(-1, 2, 4, 32)
-    hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+    d = scales_q6_k(r)[:, :, None]
+    q = uncodes_q6_k(r).astype(np.int8) - np.int8(32)
     return (d * q.reshape(-1, 16, 16).astype(F32)).reshape(-1, QK_K)
