@@ -36,7 +36,7 @@ from .calibrate import BlockInputs, calibration_ids, describe, run_block
 from .config import FP8Config, GGUFConfig, HQQConfig, WeightConfig
 from .experts import fused_expert_params, split_experts
 from .fp8 import FP8Linear
-from .gguf_apply import apply_gguf
+from .gguf_apply import apply_gguf, gguf_plan
 from .hqq import hqq_quantize
 from .progress import _Progress
 from .qlinear import QuantLinear
@@ -80,7 +80,7 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
                          "stored (lessmem.load's default); quantizing needs float weights: load it "
                          "with lessmem.load(..., weights='float')")
     if isinstance(config, GGUFConfig):
-        return apply_gguf(model, config, filter_fn)
+        return _gguf(model, config, calibration, filter_fn, tokenizer, progress)
     if not isinstance(config, (WeightConfig, FP8Config)):
         raise ValueError(f"config={config!r} must be a weight config (RTNConfig, HQQConfig, "
                          "GPTQConfig, AWQConfig, SmoothQuantConfig, GGUFConfig, FP8Config)")
@@ -114,6 +114,24 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
     report["n_quantized"] = len(targets)
     report["seconds"] = time.perf_counter() - t0
     model._lessmem_quant = report["config"]  # what save_quantized records
+    return report
+
+
+def _gguf(model, config: GGUFConfig, calibration, filter_fn, tokenizer, progress: bool) -> dict:
+    """``GGUFConfig``: the mix's type per linear (``gguf_plan``); with ``gptq=True`` the decoder
+    blocks' linears are encoded by the calibrated pass first (``solvers.solve_gguf_gptq``),
+    the rest (an untied ``lm_head``; a tied one is decoded in place) as without."""
+    if not config.gptq:
+        return apply_gguf(model, config, filter_fn)
+    t0 = time.perf_counter()
+    arch_for(getattr(getattr(model, "config", None), "model_type", None))  # before any change
+    plan = gguf_plan(model, config, filter_fn)
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    targets = {name: t for name, mod, _, t in plan if id(mod.weight) not in embedding_weights}
+    cal: dict = {"layers": {}}
+    _calibrated(model, config, targets, calibration, tokenizer, progress, cal)
+    report = apply_gguf(model, config, filter_fn, plan=plan)
+    report.update(calibration=cal["calibration"], layers=cal["layers"], seconds=time.perf_counter() - t0)
     return report
 
 

@@ -6,6 +6,7 @@
     lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --out model.gguf
     lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --method imatrix --out model.gguf
     lessmem quantize --model smollm2-135m --format gguf --type Q4_K_M --imatrix imatrix.gguf --out model.gguf
+    lessmem quantize --model smollm2-135m --format gguf --type Q3_K_M --method gptq --out model.gguf
 
 Without ``--group-size`` the group is 128, and where 128 does not divide a layer's
 inputs (the built-in model's 576-wide layers) the largest of 64/32 that does, as
@@ -26,6 +27,12 @@ with it, as ``llama-quantize --imatrix`` does; ``--imatrix FILE`` reads one inst
 (llama.cpp's GGUF or legacy ``.dat`` format, checked, with its entries' lengths against the
 model's tensors, before any work); ``--imatrix-out FILE`` writes the matrix used (GGUF for a
 ``.gguf`` name, else the legacy format). These three need ``--format gguf``.
+``--method gptq`` with ``--format gguf`` runs GPTQ inside the file's blocks
+(``weights.gguf_gptq``): the model's decoder blocks one by one over the calibration
+windows, each block's scales chosen by llama.cpp's quantizer weighted by the importance
+measured there, the codes with GPTQ's error feedback; the file is an ordinary llama.cpp
+file of the same size. ``--format gguf`` takes ``--method`` rtn (llama.cpp's quantizer,
+the default), imatrix or gptq.
 
 ``--calibration FILE`` picks the calibration text (default: the built-in corpus,
 ``pydoc_data.topics``); the summary says which was used. ``--json`` prints the report
@@ -48,6 +55,7 @@ from lessmem._console import publish
 HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, FP8, GGUF)"
 METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8", "imatrix")
 CHECKPOINT_METHODS = METHODS[:-1]  # --format lessmem; imatrix is for --format gguf
+GGUF_METHODS = ("rtn", "imatrix", "gptq")  # --format gguf: llama.cpp's quantizer, + imatrix, + GPTQ
 ACTS = ("fp8", "none")
 FORMATS = ("lessmem", "gguf")
 DEFAULT_GROUP = 128
@@ -172,6 +180,9 @@ def _check_imatrix(args) -> None:
 
     given, out = getattr(args, "imatrix", None), getattr(args, "imatrix_out", None)
     args.imatrix_data = None
+    if args.method not in GGUF_METHODS:
+        raise T.OptionError("--method", args.method, f"--format gguf encodes with llama.cpp's block types; "
+                            f"allowed: {', '.join(GGUF_METHODS)}")
     if args.method == "imatrix" and given is not None:
         raise T.OptionError("--imatrix", given, "choose one of --imatrix FILE (read a matrix) and "
                             "--method imatrix (compute one)")
@@ -184,7 +195,7 @@ def _check_imatrix(args) -> None:
                                 "--imatrix FILE (one to convert)")
         if Path(out).resolve() == Path(args.out).resolve():
             raise T.OptionError("--imatrix-out", out, "is the --out file; allowed: another file")
-    if args.method == "imatrix":
+    if args.method in ("imatrix", "gptq"):
         shape = peek_model(str(args.source))
         ctx = shape and shape["context"]
         if ctx and args.seq_len > ctx:
@@ -315,6 +326,8 @@ def _write_imatrix_out(args, im) -> None:
 def _run_gguf(args) -> int:
     from .gguf_export import export_gguf
 
+    if args.method == "gptq":
+        return _run_gguf_gptq(args)
     im = getattr(args, "imatrix_data", None)
     source = None
     if args.method == "imatrix":
@@ -343,6 +356,32 @@ def _run_gguf(args) -> int:
         rep["imatrix"] = {"from": source, **rep["imatrix"]}
         if getattr(args, "imatrix_out", None) is not None:
             rep["imatrix"]["written"] = str(args.imatrix_out)
+    _print(rep, args.json)
+    return 0
+
+
+def _run_gguf_gptq(args) -> int:
+    """--format gguf --method gptq: the float model encoded block by block (weights.gguf_gptq),
+    written with the source file's metadata and its other tensors as export_gguf writes them."""
+    from .. import models
+    from .apply import quantize_
+    from .config import GGUFConfig
+    from .gguf_export import export_gguf_encoded
+
+    name = args.model if args.model in getattr(models, "BUILTIN", {}) else str(args.source)
+    model, tok = models.load(name, weights="float")  # GPTQ reads float weights
+    config = GGUFConfig(args.type, gptq=True, n_samples=args.n_samples, seq_len=args.seq_len)
+    q = quantize_(model, config, calibration=args.calibration, tokenizer=tok, progress=not args.json)
+    target, tmp = _fresh(args.out)
+    try:
+        rep = export_gguf_encoded(args.source, target, args.type, model, progress=not args.json)
+        _commit(args.out, target, tmp)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rep.update(source=str(args.source), out=str(args.out), method="gptq",
+               calibration=q["calibration"]["source"], gptq_linears=len(q["layers"]) and sum(
+                   len(v) for v in q["layers"].values()), seconds=round(q["seconds"], 1))
     _print(rep, args.json)
     return 0
 

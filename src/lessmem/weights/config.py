@@ -335,6 +335,12 @@ class GGUFConfig:
     whose length is not the linear's column count is a ``ValueError`` naming the tensor
     (raised by ``apply_gguf`` before any layer changes).
 
+    ``gptq=True``: calibrated encoding (``weights.gguf_gptq``): block by block over
+    ``n_samples`` windows of ``seq_len`` tokens of the calibration text (as ``GPTQConfig``),
+    each block's scales chosen by llama.cpp's quantizer weighted by the importance the pass
+    measures, and the codes with GPTQ's error feedback (``damp``: GPTQ's damping); the
+    blocks and the file layout are llama.cpp's, only the codes differ. Not with ``imatrix``.
+
     Example:
         >>> GGUFConfig("Q4_K_M").type
         'Q4_K_M'
@@ -351,9 +357,16 @@ class GGUFConfig:
     type: str = "Q4_K_M"
     skip: tuple[str, ...] = ()
     imatrix: object = dataclasses.field(default=None, hash=False)
+    gptq: bool = False
+    n_samples: int = 32
+    seq_len: int = 512
+    damp: float = 0.01
 
     method = "gguf"
-    needs_calibration = False
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.gptq
 
     def __post_init__(self):
         from .gguf_mix import check_mix
@@ -363,6 +376,13 @@ class GGUFConfig:
                              "'Q4_K_M'")
         object.__setattr__(self, "type", check_mix(self.type))
         object.__setattr__(self, "skip", _as_patterns("GGUFConfig", self.skip))
+        _check_bool("gptq", "GGUFConfig", self.gptq)
+        _check_int("n_samples", "GGUFConfig", self.n_samples, 1)
+        _check_int("seq_len", "GGUFConfig", self.seq_len, 8)
+        _check_float("damp", "GGUFConfig", self.damp, 0.0, 1.0, lo_open=True)
+        if self.gptq and self.imatrix is not None:
+            raise ValueError("GGUFConfig gptq=True weighs each block's scales by the importance its own "
+                             "calibration pass measures; pass gptq=True or imatrix=..., not both")
         if self.imatrix is not None:
             from .imatrix import as_imatrix
 
@@ -380,6 +400,8 @@ class GGUFConfig:
 
     def to_dict(self) -> dict:
         d = {"method": "gguf", "type": self.type, "skip": list(self.skip)}
+        if self.gptq:
+            d.update(gptq=True, n_samples=self.n_samples, seq_len=self.seq_len, damp=self.damp)
         if self.imatrix is not None:  # what was given: a file, or an in-memory matrix
             im = self.imatrix_data()
             d["imatrix"] = (os.fspath(self.imatrix) if isinstance(self.imatrix, (str, os.PathLike))

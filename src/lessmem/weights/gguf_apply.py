@@ -47,16 +47,15 @@ from .gguf_mix import gguf_name, tensor_type
 TIED_NOTE = "tied to the input embeddings: encoded and decoded in place, kept float (shared tensor)"
 
 
-def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
+def gguf_plan(model: nn.Module, config, filter_fn=None) -> list[tuple[str, nn.Module, str, str]]:
+    """``(module name, linear, GGUF tensor name, GGUF type)`` of each linear the mix encodes,
+    in model order; a weight shared by two linears (tied) is listed once."""
     n_layers = int(getattr(model.config, "num_hidden_layers", 1))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     heads = int(getattr(model.config, "num_attention_heads", 1) or 1)
     n_gqa = heads // int(getattr(model.config, "num_key_value_heads", None) or heads)
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    types, nbytes, numel, held = {}, 0, 0, 0
-    kept_float: dict[str, str] = {}
     done = set()
-    targets = []
+    plan = []
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear or any(fnmatch.fnmatchcase(name, p) for p in config.skip):
             continue
@@ -68,32 +67,50 @@ def apply_gguf(model: nn.Module, config, filter_fn=None) -> dict:
         gname = gguf_name(name) or f"{name}.weight"
         if gname == "output.weight" and tied:
             gname = "token_embd.weight"  # the tied tensor is stored once, as token_embd
-        targets.append((name, mod, gname))
+        t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied, n_gqa=n_gqa)
+        plan.append((name, mod, gname, t))
+    return plan
+
+
+def apply_gguf(model: nn.Module, config, filter_fn=None, plan=None) -> dict:
+    """Encode the linears of ``plan`` (default ``gguf_plan(model, config, filter_fn)``);
+    those the plan lists that are already ``GGUFLinear`` (``GGUFConfig(gptq=True)``'s
+    calibrated pass replaced them, ``weights.apply``) are counted, not encoded again."""
+    from .arch import get_module
+
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    types, nbytes, numel, held = {}, 0, 0, 0
+    kept_float: dict[str, str] = {}
+    targets = gguf_plan(model, config, filter_fn) if plan is None else plan
     im = config.imatrix_data() if hasattr(config, "imatrix_data") else None
     weights = {}  # name -> per-column importance; every entry checked before any layer changes
     if im is not None:
-        for name, mod, gname in targets:
+        for name, mod, gname, _ in targets:
             weights[name] = im.for_tensor(gname, mod.in_features)
-    for name, mod, gname in targets:  # replace after the walk: named_modules must not see new modules
-        t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied,
-                        n_gqa=n_gqa)
-        raw = quantize_gguf(mod.weight.detach(), t, imatrix=weights.get(name))
-        if id(mod.weight) in embedding_weights:  # tied lm_head: decode in place, stay float
-            with torch.no_grad():
-                mod.weight.copy_(dequantize_gguf(raw, t, tuple(mod.weight.shape)).to(mod.weight.dtype))
-            kept_float[name] = TIED_NOTE
+    for name, mod, _, t in targets:  # replace after the walk: named_modules must not see new modules
+        now = get_module(model, name)
+        if isinstance(now, GGUFLinear):  # encoded by the calibrated pass
+            raw_bytes, count = now.qweight.numel(), now.in_features * now.out_features
+            held += now.nbytes
         else:
-            q = GGUFLinear.from_raw(torch.from_numpy(raw), t, mod.in_features, mod.bias)
-            set_module(model, name, q)
-            held += q.nbytes
+            raw = quantize_gguf(mod.weight.detach(), t, imatrix=weights.get(name))
+            if id(mod.weight) in embedding_weights:  # tied lm_head: decode in place, stay float
+                with torch.no_grad():
+                    mod.weight.copy_(dequantize_gguf(raw, t, tuple(mod.weight.shape)).to(mod.weight.dtype))
+                kept_float[name] = TIED_NOTE
+            else:
+                q = GGUFLinear.from_raw(torch.from_numpy(raw), t, mod.in_features, mod.bias)
+                set_module(model, name, q)
+                held += q.nbytes
+            raw_bytes, count = raw.nbytes, mod.weight.numel()
         types[name] = t
-        nbytes += raw.nbytes
-        numel += mod.weight.numel()
+        nbytes += raw_bytes
+        numel += count
     model._lessmem_quant = config.to_dict()
     report = {"method": "gguf", "config": config.to_dict(), "types": types, "bytes": nbytes,
               "bits_per_weight": 8.0 * nbytes / max(numel, 1), "n_quantized": len(types),
               "kept_float": kept_float, "bytes_held": held}
     if im is not None:
         report["imatrix"] = {"entries": len(im), "weighted": sorted(n for n, w in weights.items() if w is not None),
-                             "not_found": [n for n, _, _ in targets if weights.get(n) is None]}
+                             "not_found": [n for n, _, _, _ in targets if weights.get(n) is None]}
     return report

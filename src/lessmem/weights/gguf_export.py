@@ -67,46 +67,114 @@ def add_tensors(writer, tensors, mix: str, n_layers: int, has_output: bool, n_gq
     return types, nbytes
 
 
+class Source:
+    """A source ``.gguf`` opened for re-encoding: its reader and what llama.cpp's type rules
+    read from it (``arch``, ``n_layers``, ``n_gqa``: query heads per KV head, ``has_output``),
+    and ``plan``: tensor name -> (shape in numpy order, type ``mix`` gives it)."""
+
+    def __init__(self, src, mix: str):
+        self.mix = check_mix(mix)
+        self.path = src = Path(src)
+        if not src.is_file() or src.suffix != ".gguf":
+            raise ValueError(f"GGUF export needs a source .gguf file, got {str(src)!r}")
+        self.reader = reader = open_gguf_reader(src)  # a damaged file: ValueError("not a valid GGUF file: ...")
+        self.arch = arch = reader.fields["general.architecture"].contents()
+        self.n_layers = int(reader.fields[f"{arch}.block_count"].contents())
+        heads = reader.fields.get(f"{arch}.attention.head_count")
+        kv = reader.fields.get(f"{arch}.attention.head_count_kv")
+        self.n_gqa = int(heads.contents()) // int(kv.contents()) if heads and kv and not isinstance(
+            kv.contents(), list) else 1  # query heads per KV head (llama.cpp's n_gqa)
+        self.has_output = any(t.name == "output.weight" for t in reader.tensors)
+        self.plan = {}
+        for t in reader.tensors:
+            shape = [int(s) for s in reversed(list(t.shape))]  # numpy order: [rows, cols]
+            self.plan[t.name] = (shape, tensor_type(self.mix, t.name, shape[-1], self.n_layers,
+                                                    self.has_output, ndim=len(shape), n_gqa=self.n_gqa))
+
+    def write(self, out, encode=None, add_keys=None, progress: bool = True) -> dict:
+        """Write ``out``: the metadata copied (``add_keys(writer)`` may change it), every tensor
+        decoded to float32 and written in its planned type, ``encode(name, w, typ)`` giving the
+        raw bytes (default ``quantize_gguf(w, typ)``). Returns the export report."""
+        import gguf
+
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        writer = gguf.GGUFWriter(str(out), self.arch)
+        _copy_metadata(self.reader, writer, self.mix)
+        if add_keys is not None:
+            add_keys(writer)
+        types: dict[str, str] = {}
+        nbytes = 0
+        tensors = self.reader.tensors
+        for i, t in enumerate(tensors):
+            shape, typ = self.plan[t.name]
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            if typ == "f32":
+                writer.add_tensor(t.name, w)
+                nbytes += w.nbytes
+            else:
+                raw = quantize_gguf(w, typ) if encode is None else encode(t.name, w, typ)
+                writer.add_tensor(t.name, raw,  # byte shape [rows, row_bytes]
+                                  raw_dtype=gguf.GGMLQuantizationType(gguf_type(typ).ggml_id))
+                nbytes += raw.nbytes
+            types[t.name] = typ
+            if progress and (i % 20 == 0 or i == len(tensors) - 1):
+                print(f"[{i + 1}/{len(tensors)}] {t.name}: {typ}", file=sys.stderr, flush=True)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return {"mix": self.mix, "tensors": dict(Counter(types.values())), "tensor_bytes": nbytes,
+                "file_bytes": out.stat().st_size}
+
+
 def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     """Write ``out`` from ``src`` in the type mix ``mix``; returns a per-type tensor count and sizes."""
-    import gguf
-
-    mix = check_mix(mix)
-    src, out = Path(src), Path(out)
-    if not src.is_file() or src.suffix != ".gguf":
-        raise ValueError(f"GGUF export needs a source .gguf file, got {str(src)!r}")
-    reader = open_gguf_reader(src)  # a damaged file: ValueError("not a valid GGUF file: ...")
-    arch = reader.fields["general.architecture"].contents()
-    n_layers = int(reader.fields[f"{arch}.block_count"].contents())
-    heads = reader.fields.get(f"{arch}.attention.head_count")
-    kv = reader.fields.get(f"{arch}.attention.head_count_kv")
-    n_gqa = int(heads.contents()) // int(kv.contents()) if heads and kv and not isinstance(
-        kv.contents(), list) else 1  # query heads per KV head (llama.cpp's n_gqa)
-    names = {t.name for t in reader.tensors}
-    has_output = "output.weight" in names
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out), arch)
-    _copy_metadata(reader, writer, mix)
-    tensors = ((t.name, gguf.quants.dequantize(t.data, t.tensor_type)
-                .reshape([int(s) for s in reversed(list(t.shape))])  # numpy order: [rows, cols]
-                .astype(np.float32))  # a copy, not a view of the reader's read-only map
-               for t in reader.tensors)
-    types, nbytes = add_tensors(writer, tensors, mix, n_layers, has_output, n_gqa,
-                                progress=progress, total=len(reader.tensors))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return {"mix": mix, "tensors": dict(Counter(types.values())), "tensor_bytes": nbytes,
-            "file_bytes": out.stat().st_size}
+    return Source(src, mix).write(out, progress=progress)
 
 
-def write_model_gguf(model, out, qtype: str = "q8_0") -> Path:
+def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool = True) -> dict:
+    """``src`` re-encoded in ``mix`` (``Source.write``), except that every linear ``model``
+    holds as a ``GGUFLinear`` (e.g. after ``quantize_(model, GGUFConfig(mix, gptq=True))``
+    on ``lessmem.load(src, weights="float")``) is written as the rows it holds, its q/k rows
+    put back in llama.cpp's rotary order for a ``llama`` file. Each such linear must be a
+    tensor of ``src`` in the type the mix gives it there (``ValueError`` otherwise, before
+    the file opens)."""
+    from .gguf_linear import GGUFLinear
+    from .gguf_load import _PERMUTED, permute_rows
+    from .gguf_mix import gguf_name
+
+    source = Source(src, mix)
+    cfg = model.config
+    heads = {"self_attn.q_proj": cfg.num_attention_heads,
+             "self_attn.k_proj": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
+    encoded = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, GGUFLinear):
+            continue
+        gname = gguf_name(name)
+        if gname not in source.plan:
+            raise ValueError(f"{name} has no tensor in {source.path.name}; was the model loaded from it?")
+        typ = source.plan[gname][1]
+        if typ != mod.gguf_type:
+            raise ValueError(f"{name} holds {mod.gguf_type.upper()} rows; {mix} gives {gname} {typ.upper()}")
+        rows = mod.qweight.detach().cpu()
+        sub = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
+        if source.arch in _PERMUTED and sub in heads:
+            rows = permute_rows(rows, heads[sub], inverse=False)
+        encoded[gname] = rows.numpy()
+    return source.write(out, encode=lambda name, w, typ: encoded[name] if name in encoded
+                        else quantize_gguf(w, typ), add_keys=add_keys, progress=progress)
+
+
+def write_model_gguf(model, out, qtype: str = "q8_0", tokenizer_model: str | None = None) -> Path:
     """Write a transformers Llama/Qwen2/Mistral ``model`` to ``out`` with every linear and the
     embedding in the GGUF type ``qtype`` (norms and biases F32; ``"f32"``: everything F32,
     a float source for llama.cpp's own quantizer), in llama.cpp's tensor names
     and q/k row order, with the hyper-parameters transformers reads back (``AutoConfig``).
-    No tokenizer is written: the file is for code that feeds token ids (tests, benchmarks).
+    No tokenizer is written: the file is for code that feeds token ids (tests, benchmarks);
+    ``tokenizer_model="none"`` records that (``tokenizer.ggml.model``), which llama.cpp
+    needs to load a file without a vocabulary (token ids in, logits out).
 
     Example:
         >>> import tempfile, os
@@ -137,6 +205,8 @@ def write_model_gguf(model, out, qtype: str = "q8_0") -> Path:
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
     w.add_vocab_size(int(cfg.vocab_size))
+    if tokenizer_model is not None:
+        w.add_tokenizer_model(tokenizer_model)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, p in model.state_dict().items():
         gname = gguf_tensor_name(name)

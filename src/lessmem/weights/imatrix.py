@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -636,37 +635,23 @@ def export_gguf_imatrix(src, out, mix: str, imatrix, progress: bool = True, imat
     weights (``formats.gguf.quantize_gguf(..., imatrix=...)``), as ``llama-quantize --imatrix``
     does; the llama-quantize ``quantize.imatrix.*`` keys are recorded (``imatrix_file``: the
     file name to record, if any). Column counts are checked before anything is written."""
-    import gguf
+    from ..formats.gguf import quantize_gguf
+    from .gguf_export import Source
 
-    from ..formats.gguf import gguf_type, quantize_gguf
-    from ..formats.gguf_file import open_gguf_reader
-    from .gguf_export import _copy_metadata
-    from .gguf_mix import check_mix, tensor_type
-
-    mix = check_mix(mix)
     im = as_imatrix(imatrix)
-    src, out = Path(src), Path(out)
-    if not src.is_file() or src.suffix != ".gguf":
-        raise ValueError(f"GGUF export needs a source .gguf file, got {str(src)!r}")
-    reader = open_gguf_reader(src)
-    arch = reader.fields["general.architecture"].contents()
-    n_layers = int(reader.fields[f"{arch}.block_count"].contents())
-    heads = reader.fields.get(f"{arch}.attention.head_count")
-    kv = reader.fields.get(f"{arch}.attention.head_count_kv")
-    n_gqa = int(heads.contents()) // int(kv.contents()) if heads and kv and not isinstance(
-        kv.contents(), list) else 1
-    names = {t.name for t in reader.tensors}
-    has_output = "output.weight" in names
-    shapes = [(t.name, [int(s) for s in reversed(list(t.shape))]) for t in reader.tensors]
-    plan = {}
-    for name, shape in shapes:  # every type and column count checked before the file opens
-        typ = tensor_type(mix, name, shape[-1], n_layers, has_output, ndim=len(shape), n_gqa=n_gqa)
-        plan[name] = typ
-    missing = check_columns(im, [(n, s[-1]) for n, s in shapes if plan[n] != "f32"])
-    used = sum(1 for n, s in shapes if plan[n] != "f32" and im.for_tensor(n, s[-1]) is not None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out), arch)
-    _copy_metadata(reader, writer, mix)
+    source = Source(src, mix)
+    quantized = [(n, shape[-1]) for n, (shape, typ) in source.plan.items() if typ != "f32"]
+    missing = check_columns(im, quantized)  # every column count checked before the file opens
+    used = sum(1 for n, k in quantized if im.for_tensor(n, k) is not None)
+    rep = source.write(out, encode=lambda name, w, typ: quantize_gguf(
+        w, typ, imatrix=im.for_tensor(name, w.shape[-1])), add_keys=lambda writer: record_imatrix(
+        writer, im, imatrix_file), progress=progress)
+    rep["imatrix"] = {"entries": len(im), "tensors_weighted": used, "not_found": missing}
+    return rep
+
+
+def record_imatrix(writer, im: IMatrix, imatrix_file=None) -> None:
+    """The ``quantize.imatrix.*`` keys llama-quantize writes, in place of any the source had."""
     for kvs in writer.kv_data:  # a source quantized with another imatrix: not this one's record
         for k in QUANTIZE_KEYS:
             kvs.pop(k, None)
@@ -677,31 +662,6 @@ def export_gguf_imatrix(src, out, mix: str, imatrix, progress: bool = True, imat
     writer.add_uint32(QUANTIZE_KEYS[2], len(im))
     if im.chunk_count > 0:
         writer.add_uint32(QUANTIZE_KEYS[3], im.chunk_count)
-    types: dict[str, str] = {}
-    nbytes = 0
-    for i, t in enumerate(reader.tensors):
-        shape = [int(s) for s in reversed(list(t.shape))]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        typ = plan[t.name]
-        if typ == "f32":
-            writer.add_tensor(t.name, w)
-            nbytes += w.nbytes
-        else:
-            raw = quantize_gguf(w, typ, imatrix=im.for_tensor(t.name, shape[-1]))
-            writer.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType(gguf_type(typ).ggml_id))
-            nbytes += raw.nbytes
-        types[t.name] = typ
-        if progress and (i % 20 == 0 or i == len(reader.tensors) - 1):
-            print(f"[{i + 1}/{len(reader.tensors)}] {t.name}: {typ}", file=sys.stderr, flush=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    from collections import Counter
-
-    return {"mix": mix, "tensors": dict(Counter(types.values())), "tensor_bytes": nbytes,
-            "file_bytes": out.stat().st_size,
-            "imatrix": {"entries": len(im), "tensors_weighted": used, "not_found": missing}}
 
 
 __all__ = ["IMatrix", "IMatrixEntry", "collect_imatrix", "read_imatrix", "write_imatrix", "imatrix_format",

@@ -15,6 +15,8 @@ import torch
 from .arch import Arch, get_module, set_module
 from .awq import fold_scale, search_clip, search_scale
 from .calibrate import run_block
+from .gguf_gptq import gptq_gguf
+from .gguf_linear import GGUFLinear
 from .gptq import gptq_quantize
 from .observer import observe
 from .qlinear import QuantLinear
@@ -49,6 +51,22 @@ def solve_gptq(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
                                config.damp, config.block_size, config.act_order, config.static_groups)
             _replace(block, n, qw)
             info[n] = {"tokens": obs[n].n}
+    return info
+
+
+def solve_gguf_gptq(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
+    """``GGUFConfig(gptq=True)``: ``cfgs`` maps each linear to its GGUF type (from the mix);
+    attention then MLP, each on inputs recomputed through the already-encoded layers."""
+    info = {}
+    for stage in arch.stages:
+        mods = {n: get_module(block, n) for n in stage if n in cfgs}
+        if not mods:
+            continue
+        obs = observe(mods, lambda: run_block(block, hidden, kwargs), want_xtx=True, stop_early=True)
+        for n, lin in mods.items():
+            raw = gptq_gguf(lin.weight, obs[n].hessian(), cfgs[n], config.damp)
+            set_module(block, n, GGUFLinear.from_raw(torch.from_numpy(raw), cfgs[n], lin.in_features, lin.bias))
+            info[n] = {"tokens": obs[n].n, "type": cfgs[n]}
     return info
 
 
@@ -120,4 +138,4 @@ def solve_smoothquant(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> 
     return info
 
 
-SOLVERS = {"gptq": solve_gptq, "awq": solve_awq, "smoothquant": solve_smoothquant}
+SOLVERS = {"gptq": solve_gptq, "awq": solve_awq, "smoothquant": solve_smoothquant, "gguf": solve_gguf_gptq}
