@@ -374,6 +374,35 @@ def check_e2e(data: dict, fresh: bool) -> None:
     assert need(t, "rss_rule_met", bool, "targets") == (t["rss_rule_max_ratio"] <= 1.2)
 
 
+def check_gguf_llamacpp(data: dict, fresh: bool) -> None:
+    """bench_gguf_llamacpp: every file rated against the F32 file; same types, same size."""
+    h = check_header(data)
+    need(h, "evaluator", str, "header")
+    base = need(data, "base", dict, "result")
+    assert positive(base, "ppl", "base") >= 1 and need(base, "tokens_scored", int, "base") > 0
+    rows = need(data, "rows", list, "result")
+    assert rows, "no rows"
+    variants = ("llama.cpp", "llama.cpp+imatrix", "lessmem", "lessmem imatrix", "lessmem gptq")
+    sizes: dict = {}
+    for i, r in enumerate(rows):
+        w = f"rows[{i}]"
+        assert need(r, "variant", str, w) in variants, f"{w}: variant {r['variant']!r}"
+        check_quality(r, w)
+        assert need(r, "tokens_scored", int, w) == base["tokens_scored"]
+        assert r["delta_ppl_pct"] == pytest.approx(100 * (r["ppl"] / base["ppl"] - 1), rel=1e-6, abs=1e-9)
+        sizes.setdefault(need(r, "type", str, w), []).append(need(r, "file_bytes", int, w))
+        if "bytes_equal_llama_cpp" in r:  # lessmem's quantizer is llama.cpp's, byte for byte
+            assert need(r, "bytes_equal_llama_cpp", bool, w), f"{w}: bytes differ from llama.cpp's file"
+    for t, s in sizes.items():
+        assert max(s) <= 1.01 * min(s), f"{t}: files of one type differ in size by more than 1%: {s}"
+    if fresh:
+        for t in sizes:
+            assert {r["variant"] for r in rows if r["type"] == t} >= {"lessmem", "lessmem imatrix", "lessmem gptq"}
+    for i, t in enumerate(need(data, "targets", list, "result")):
+        w = f"targets[{i}]"
+        assert need(t, "pass", bool, w) == (t["ppl"] <= t["llama_cpp_imatrix_ppl"])
+
+
 def check_gpu(data: dict, fresh: bool) -> None:
     """bench_gpu: a fresh (CPU, --quick) run must have every row; a recorded GPU run may
     carry a row's error (it records what failed rather than stopping), but not a wrong number."""
@@ -441,6 +470,7 @@ CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_first_run.py": check_first_run,
     "bench_serve.py": check_serve,
     "bench_gpu.py": check_gpu,
+    "bench_gguf_llamacpp.py": check_gguf_llamacpp,
 }
 RECORDED = {  # recorded full-run result -> its benchmark
     "e2e.json": "bench_e2e.py",
@@ -463,6 +493,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "bench_first_run.json": "bench_first_run.py",
     "serve.json": "bench_serve.py",
     "serve_shared_prefix.json": "bench_serve.py",  # --no-peers: best-4, 2k prompts, a 1.5k shared prefix
+    "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
 }
 
 
@@ -533,6 +564,9 @@ BROKEN = [  # (recorded file, an edit that a broken benchmark could have made)
     ("serve.json", _set(("rows", 3, "ttft_p50_s"), float("nan"))),
     ("serve.json", _flip(("targets", 0, "pass"))),
     ("serve.json", _flip(("targets", 1, "pass"))),
+    ("bench_gguf_llamacpp.json", _set(("rows", 2, "bytes_equal_llama_cpp"), False)),
+    ("bench_gguf_llamacpp.json", _set(("rows", 4, "file_bytes"), 10**9)),
+    ("bench_gguf_llamacpp.json", _flip(("targets", 4, "pass"))),
 ]
 
 
