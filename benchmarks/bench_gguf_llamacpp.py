@@ -16,7 +16,11 @@ tensor types and size:
 - ``lessmem imatrix``: ``export_gguf_imatrix`` with the same matrix (``bytes_equal_llama_cpp``
   against the llama.cpp+imatrix file);
 - ``lessmem gptq``: ``GGUFConfig(type, gptq=True)`` (GPTQ inside the blocks,
-  ``weights.gguf_gptq``) over the same calibration windows, ``export_gguf_encoded``.
+  ``weights.gguf_gptq``) over the same calibration windows, ``export_gguf_encoded``;
+- ``lessmem awq``: ``GGUFConfig(type, awq=True)``: AWQ's per-channel scales searched with
+  the linears' own block types as the quantizer and folded into the norms, then each
+  linear encoded by llama.cpp's weighted quantizer with the importance measured after the
+  fold; ``lessmem awq+gptq``: the same scales, then GPTQ inside the blocks.
 
 Every file, the F32 one included, is then evaluated **by llama.cpp** (``Llama.eval``, all
 logits): WikiText-2 **test** windows of ``--window-len`` tokens, the tokens after the
@@ -59,7 +63,9 @@ from lessmem.weights.imatrix import collect_imatrix, export_gguf_imatrix  # noqa
 
 TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS")
 LLAMA_ONLY = ("IQ4_XS",)
-VARIANTS = ("llama.cpp", "llama.cpp+imatrix", "lessmem", "lessmem imatrix", "lessmem gptq")
+VARIANTS = ("llama.cpp", "llama.cpp+imatrix", "lessmem", "lessmem imatrix", "lessmem gptq", "lessmem awq",
+            "lessmem awq+gptq")
+OURS = VARIANTS[2:]
 
 
 def have_llama_cpp() -> bool:
@@ -205,17 +211,22 @@ def build(ftype: str, f32: Path, tmp: Path, im, model, calib, args, llama: bool)
     seconds: dict[str, float] = {}
 
     def make(variant, fn):
+        if variant not in args.variants:
+            return
         out = tmp / f"{ftype}.{variant.replace(' ', '_').replace('+', '_')}.gguf"
         t = time.perf_counter()
         fn(out)
         seconds[variant] = round(time.perf_counter() - t, 2)
         files[variant] = out
 
-    def gptq(out):
-        m = copy.deepcopy(model)
-        lessmem.quantize_(m, lessmem.GGUFConfig(ftype, gptq=True, n_samples=args.calib_samples,
-                                                seq_len=args.calib_len), calibration=calib, progress=False)
-        export_gguf_encoded(f32, out, ftype, m, progress=False)
+    def calibrated(gptq: bool, awq: bool):
+        def run(out):
+            m = copy.deepcopy(model)
+            cfg = lessmem.GGUFConfig(ftype, gptq=gptq, awq=awq, n_samples=args.calib_samples,
+                                     seq_len=args.calib_len, n_grid=args.n_grid)
+            lessmem.quantize_(m, cfg, calibration=calib, progress=False)
+            export_gguf_encoded(f32, out, ftype, m, progress=False)
+        return run
 
     if llama:
         make("llama.cpp", lambda o: llama_quantize(f32, o, ftype, args.threads))
@@ -223,7 +234,9 @@ def build(ftype: str, f32: Path, tmp: Path, im, model, calib, args, llama: bool)
     if ftype not in LLAMA_ONLY:
         make("lessmem", lambda o: Source(f32, ftype).write(o, progress=False))
         make("lessmem imatrix", lambda o: export_gguf_imatrix(f32, o, ftype, im, progress=False))
-        make("lessmem gptq", gptq)
+        make("lessmem gptq", calibrated(gptq=True, awq=False))
+        make("lessmem awq", calibrated(gptq=False, awq=True))
+        make("lessmem awq+gptq", calibrated(gptq=True, awq=True))
     return files, seconds
 
 
@@ -236,12 +249,17 @@ def main() -> int:
     p.add_argument("--calib-samples", type=int, default=64)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-grid", type=int, default=20, help="AWQ's scale exponents searched")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"some of: {', '.join(VARIANTS)}")
     args = p.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if set(args.variants) - set(VARIANTS):
+        p.error(f"--variants: {sorted(set(args.variants) - set(VARIANTS))} unknown; allowed: {', '.join(VARIANTS)}")
     torch.set_num_threads(args.threads)
     types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
     if args.quick:
         types = ["Q4_K_M", "Q3_K_M"]
-        args.windows, args.window_len, args.calib_samples, args.calib_len = 2, 64, 4, 64
+        args.windows, args.window_len, args.calib_samples, args.calib_len, args.n_grid = 2, 64, 4, 64, 4
     llama = have_llama_cpp() and not args.quick
     model, tok = load_model(args.model, args.quick)
     model.eval()
@@ -249,6 +267,7 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     h = header(model=args.model if not args.quick else "tiny random (quick)", parameters=n_params,
                windows=args.windows, window_len=args.window_len, calib=f"{args.calib_samples} x {args.calib_len}",
+               awq_n_grid=args.n_grid,
                evaluator="llama.cpp" if llama else "lessmem load_gguf_blocks",
                llama_cpp=__import__("llama_cpp").__version__ if llama else None)
     test = make_windows(tok, text_ids(tok, "wiki.test.raw", args.quick), args.windows, args.window_len)
@@ -289,9 +308,9 @@ def main() -> int:
                 row, _ = evaluate(path, ref)
                 row.update(variant=variant, type=ftype, file_bytes=path.stat().st_size,
                            delta_ppl_pct=100 * (row["ppl"] / base["ppl"] - 1), encode_s=seconds[variant])
-                if llama and variant in ("lessmem", "lessmem imatrix"):
-                    theirs = files["llama.cpp" if variant == "lessmem" else "llama.cpp+imatrix"]
-                    row["bytes_equal_llama_cpp"] = file_bytes_equal(path, theirs)
+                theirs = {"lessmem": "llama.cpp", "lessmem imatrix": "llama.cpp+imatrix"}.get(variant)
+                if llama and theirs in files:
+                    row["bytes_equal_llama_cpp"] = file_bytes_equal(path, files[theirs])
                 rows.append(row)
                 print(f"{ftype:7s} {variant:18s} ppl {row['ppl']:.4f} ({row['delta_ppl_pct']:+.2f}%) "
                       f"kld {row['kld']:.5f} top1 {row['top1']:.3f} {row['file_bytes'] / 2**20:.2f} MiB", flush=True)
@@ -300,7 +319,7 @@ def main() -> int:
     targets = []
     for ftype in types:
         by = {r["variant"]: r for r in rows if r["type"] == ftype}
-        ours = [by[v] for v in ("lessmem", "lessmem imatrix", "lessmem gptq") if v in by]
+        ours = [by[v] for v in OURS if v in by]
         if "llama.cpp+imatrix" not in by or not ours:
             continue
         best = min(ours, key=lambda r: r["ppl"])

@@ -382,7 +382,8 @@ def check_gguf_llamacpp(data: dict, fresh: bool) -> None:
     assert positive(base, "ppl", "base") >= 1 and need(base, "tokens_scored", int, "base") > 0
     rows = need(data, "rows", list, "result")
     assert rows, "no rows"
-    variants = ("llama.cpp", "llama.cpp+imatrix", "lessmem", "lessmem imatrix", "lessmem gptq")
+    ours = ("lessmem", "lessmem imatrix", "lessmem gptq", "lessmem awq", "lessmem awq+gptq")
+    variants = ("llama.cpp", "llama.cpp+imatrix", *ours)
     sizes: dict = {}
     for i, r in enumerate(rows):
         w = f"rows[{i}]"
@@ -397,7 +398,7 @@ def check_gguf_llamacpp(data: dict, fresh: bool) -> None:
         assert max(s) <= 1.01 * min(s), f"{t}: files of one type differ in size by more than 1%: {s}"
     if fresh:
         for t in sizes:
-            assert {r["variant"] for r in rows if r["type"] == t} >= {"lessmem", "lessmem imatrix", "lessmem gptq"}
+            assert {r["variant"] for r in rows if r["type"] == t} >= set(ours)
     for i, t in enumerate(need(data, "targets", list, "result")):
         w = f"targets[{i}]"
         assert need(t, "pass", bool, w) == (t["ppl"] <= t["llama_cpp_imatrix_ppl"])

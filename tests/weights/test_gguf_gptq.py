@@ -118,7 +118,7 @@ def _ids(n=8, t=64, seed=0):
     return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
-def test_quantize_gptq_in_memory_beats_imatrix():
+def test_quantize_calibrated_in_memory_beats_imatrix():
     from lessmem.weights.imatrix import collect_imatrix
 
     calib, test = _ids(16, 128), _ids(2, 64, seed=1)
@@ -126,10 +126,11 @@ def test_quantize_gptq_in_memory_beats_imatrix():
     with torch.no_grad():
         ref = base(test).logits
     errs, types = {}, {}
-    for kind in ("plain", "imatrix", "gptq"):
+    for kind in ("plain", "imatrix", "gptq", "awq", "awq+gptq"):
         m = _model()
-        if kind == "gptq":
-            cfg = lessmem.GGUFConfig("Q3_K_M", gptq=True, n_samples=16, seq_len=128)
+        if kind in ("gptq", "awq", "awq+gptq"):
+            cfg = lessmem.GGUFConfig("Q3_K_M", gptq="gptq" in kind, awq="awq" in kind, n_samples=16,
+                                     seq_len=128, n_grid=8)
         elif kind == "imatrix":
             cfg = lessmem.GGUFConfig("Q3_K_M", imatrix=collect_imatrix(m, calib, n_samples=16, seq_len=128))
         else:
@@ -143,21 +144,35 @@ def test_quantize_gptq_in_memory_beats_imatrix():
             assert rep["calibration"]["tokens"] == 2048 and rep["config"]["gptq"] is True
             assert rep["layers"][0]["self_attn.q_proj"] == {"tokens": 2048, "type": rep["types"][
                 "model.layers.0.self_attn.q_proj"]}
-    assert types["gptq"] == types["plain"] == types["imatrix"]  # the mix's rules, whatever the method
+        if kind == "awq":  # the scaling groups searched and folded, then the linears encoded
+            assert rep["config"]["awq"] is True and rep["config"]["n_grid"] == 8
+            assert set(rep["layers"][0]) == {"input_layernorm", "post_attention_layernorm", "self_attn.v_proj",
+                                             "mlp.up_proj", *(f"self_attn.{p}_proj" for p in "qkvo"),
+                                             *(f"mlp.{p}_proj" for p in ("gate", "up", "down"))}
+            e = rep["layers"][1]["post_attention_layernorm"]
+            assert e["loss_best"] <= e["loss_alpha0"]
+    assert all(types[k] == types["plain"] for k in types)  # the mix's rules, whatever the method
     # random inputs are nearly uncorrelated, which leaves GPTQ little to carry (0.78x here;
-    # 0.5-0.6x on correlated inputs above)
+    # 0.5-0.6x on correlated inputs above); the spread norms give AWQ outlier channels to protect
     assert errs["gptq"] < 0.9 * errs["imatrix"] < 0.9 * errs["plain"], errs
+    assert errs["awq"] < 0.9 * errs["imatrix"] and errs["awq+gptq"] < 0.9 * errs["gptq"], errs
 
 
 def test_gguf_config_gptq_bad_input():
     from lessmem.weights.imatrix import IMatrix
 
-    with pytest.raises(ValueError, match="pass gptq=True or imatrix=..., not both"):
+    with pytest.raises(ValueError, match="pass those or imatrix=..., not both"):
         lessmem.GGUFConfig("Q4_K_M", gptq=True, imatrix=IMatrix({}))
     with pytest.raises(ValueError, match="gptq"):
         lessmem.GGUFConfig("Q4_K_M", gptq="yes")
     with pytest.raises(ValueError, match="n_samples"):
         lessmem.GGUFConfig("Q4_K_M", gptq=True, n_samples=0)
+    with pytest.raises(ValueError, match="pass those or imatrix=..., not both"):
+        lessmem.GGUFConfig("Q4_K_M", awq=True, imatrix=IMatrix({}))
+    with pytest.raises(ValueError, match="n_grid"):
+        lessmem.GGUFConfig("Q4_K_M", awq=True, n_grid=0)
+    with pytest.raises(ValueError, match="awq"):
+        lessmem.GGUFConfig("Q4_K_M", awq=1)
 
 
 def _load_logits(path, ids):
@@ -166,7 +181,8 @@ def _load_logits(path, ids):
         return model(ids).logits
 
 
-def test_cli_gptq_writes_a_llama_cpp_file(tmp_path, capsys):
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_cli_calibrated_writes_a_llama_cpp_file(tmp_path, capsys, method):
     src = tmp_path / "tiny.gguf"
     m = _model()
     tiny_gguf(src, m)
@@ -174,12 +190,14 @@ def test_cli_gptq_writes_a_llama_cpp_file(tmp_path, capsys):
     calib.write_text(TEXT)
     base = ["quantize", "--model", str(src), "--format", "gguf", "--type", "Q3_K_M", "--json"]
     out_g, out_p = tmp_path / "gptq.gguf", tmp_path / "plain.gguf"
-    rc = main([*base, "--method", "gptq", "--calibration", str(calib), "--n-samples", "4",
+    rc = main([*base, "--method", method, "--calibration", str(calib), "--n-samples", "4",
                "--seq-len", "64", "--out", str(out_g)])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     rep = json.loads(cap.out)
-    assert rep["method"] == "gptq" and rep["gptq_linears"] == 14 and rep["calibration"] == f"file {calib}"
+    assert rep["method"] == method and rep["calibrated_linears"] == 14 and rep["calibration"] == f"file {calib}"
+    assert rep.get("awq_scales", 0) == (6 if method == "awq+gptq" else 0)  # 3 groups x 2 layers (v->o does
+    # not fold: each of the 2 KV heads' values feeds 2 query heads)
     assert main([*base, "--out", str(out_p)]) == 0
     capsys.readouterr()
     rg, rp = gguf.GGUFReader(str(out_g)), gguf.GGUFReader(str(out_p))
@@ -189,8 +207,19 @@ def test_cli_gptq_writes_a_llama_cpp_file(tmp_path, capsys):
     assert out_g.stat().st_size == out_p.stat().st_size  # same types, same bytes
     assert np.array_equal(np.array(tg["token_embd.weight"].data), np.array(tp["token_embd.weight"].data))
     assert not np.array_equal(np.array(tg["blk.0.ffn_up.weight"].data), np.array(tp["blk.0.ffn_up.weight"].data))
+    # AWQ's scales folded into the norms reach the file; without AWQ the norms are the source's
+    norm_changed = not np.array_equal(np.array(tg["blk.0.ffn_norm.weight"].data),
+                                      np.array(tp["blk.0.ffn_norm.weight"].data))
+    assert norm_changed == (method == "awq+gptq")
     # the file decodes as the model it came from: q/k rows back in llama.cpp's order, so
-    # loading it gives logits nearer the float model's than the plain file's
+    # loading it gives logits nearer the float model's than the plain file's. Both files hold
+    # the same plainly encoded embedding and output (whose error dominates on this tiny model):
+    # the reference is the float model with those two as stored, so the blocks are compared
+    assert np.array_equal(np.array(tg["output.weight"].data), np.array(tp["output.weight"].data))
+    with torch.no_grad():
+        for t, mod in ((tp["token_embd.weight"], m.model.embed_tokens), (tp["output.weight"], m.lm_head)):
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            mod.weight.copy_(torch.from_numpy(w).reshape(mod.weight.shape))
     ids = torch.tensor([[int(b) for b in TEXT.encode()[:96]]])
     with torch.no_grad():
         ref = m(ids).logits
@@ -204,7 +233,7 @@ def test_cli_gguf_methods_checked(tmp_path, capsys):
     tiny_gguf(src, _model())
     (tmp_path / "im.dat").write_bytes(b"x")
     g = ["quantize", "--model", str(src), "--format", "gguf", "--out", str(tmp_path / "q.gguf")]
-    for argv, expect in [([*g, "--method", "hqq"], "allowed: rtn, imatrix, gptq"),
+    for argv, expect in [([*g, "--method", "hqq"], "allowed: rtn, imatrix, gptq, awq, awq+gptq"),
                          ([*g, "--method", "gptq", "--imatrix", str(tmp_path / "im.dat")],
                           "allowed with --imatrix/--imatrix-out: imatrix"),
                          ([*g, "--method", "gptq", "--seq-len", "100000"], "--seq-len")]:

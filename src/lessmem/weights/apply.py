@@ -118,10 +118,10 @@ def quantize_(model: nn.Module, config: WeightConfig, calibration=None, filter_f
 
 
 def _gguf(model, config: GGUFConfig, calibration, filter_fn, tokenizer, progress: bool) -> dict:
-    """``GGUFConfig``: the mix's type per linear (``gguf_plan``); with ``gptq=True`` the decoder
-    blocks' linears are encoded by the calibrated pass first (``solvers.solve_gguf_gptq``),
+    """``GGUFConfig``: the mix's type per linear (``gguf_plan``); with ``gptq``/``awq`` the decoder
+    blocks' linears are encoded by the calibrated pass first (``solvers.solve_gguf``),
     the rest (an untied ``lm_head``; a tied one is decoded in place) as without."""
-    if not config.gptq:
+    if not config.needs_calibration:
         return apply_gguf(model, config, filter_fn)
     t0 = time.perf_counter()
     arch_for(getattr(getattr(model, "config", None), "model_type", None))  # before any change

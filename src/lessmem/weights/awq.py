@@ -40,8 +40,15 @@ def _inspect(block, name: str, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
 
 
 def search_scale(block, group, linears: dict, cfgs: dict, x: torch.Tensor, kwargs: dict,
-                 n_grid: int) -> tuple[torch.Tensor, float, float]:
-    """Best per-channel scale s [K] for a group; returns (s, best loss, loss at α=0)."""
+                 n_grid: int, quantizer=None) -> tuple[torch.Tensor, float, float]:
+    """Best per-channel scale s [K] for a group; returns (s, best loss, loss at α=0).
+
+    ``quantizer(name, w_scaled, s) -> fake-quantized w_scaled``: Q above (default: RTN in
+    groups with ``cfgs[name]``'s bits, group size and symmetry; GGUF passes its block type)."""
+    if quantizer is None:
+        def quantizer(n, ws, s):
+            c = cfgs[n]
+            return _fq_weight(ws, c.bits, c.group_size, c.symmetric)
     x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)
     ref = _inspect(block, group.inspect, x, kwargs)
     orig = {n: m.weight.data.clone() for n, m in linears.items()}
@@ -52,9 +59,7 @@ def search_scale(block, group, linears: dict, cfgs: dict, x: torch.Tensor, kwarg
             s = x_mean.pow(alpha).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
             for n, m in linears.items():
-                c = cfgs[n]
-                m.weight.data = (_fq_weight(orig[n] * s, c.bits, c.group_size, c.symmetric) / s
-                                 ).to(orig[n].dtype)
+                m.weight.data = (quantizer(n, orig[n] * s, s) / s).to(orig[n].dtype)
             loss = (_inspect(block, group.inspect, x, kwargs) - ref).float().pow(2).mean().item()
             if i == 0:
                 loss0 = loss

@@ -53,9 +53,11 @@ from lessmem._cli_model import check_model, peek_model
 from lessmem._console import publish
 
 HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, FP8, GGUF)"
-METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8", "imatrix")
-CHECKPOINT_METHODS = METHODS[:-1]  # --format lessmem; imatrix is for --format gguf
-GGUF_METHODS = ("rtn", "imatrix", "gptq")  # --format gguf: llama.cpp's quantizer, + imatrix, + GPTQ
+METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8", "imatrix", "awq+gptq")
+CHECKPOINT_METHODS = METHODS[:6]  # --format lessmem; imatrix and awq+gptq are for --format gguf
+# --format gguf: llama.cpp's quantizer, + imatrix, + GPTQ / AWQ / both inside the blocks
+GGUF_METHODS = ("rtn", "imatrix", "gptq", "awq", "awq+gptq")
+GGUF_CALIBRATED = GGUF_METHODS[2:]  # a calibration pass over the float model (solvers.solve_gguf)
 ACTS = ("fp8", "none")
 FORMATS = ("lessmem", "gguf")
 DEFAULT_GROUP = 128
@@ -82,7 +84,7 @@ def _group_size(text: str) -> int | None:
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, HF dir, .gguf file or hub id")
     p.add_argument("--method", type=T.choice(METHODS), default="rtn",
-                   help=f"one of {', '.join(METHODS)} (imatrix: with --format gguf)")
+                   help=f"one of {', '.join(METHODS)} (imatrix, awq+gptq: with --format gguf)")
     p.add_argument("--bits", type=T.integer(1, 64), default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=_group_size, default=None,
                    help=f"32, 64, 128, 256 or 'none' (per-channel); default {DEFAULT_GROUP}, with "
@@ -169,6 +171,9 @@ def _method_allowed(method: str) -> str:
     if method == "imatrix":
         return ("needs --format gguf (an importance matrix steers llama.cpp's GGUF quantizers); "
                 f"allowed with --format lessmem: {', '.join(CHECKPOINT_METHODS)}")
+    if method == "awq+gptq":
+        return ("needs --format gguf (AWQ's scales, then GPTQ inside llama.cpp's blocks); "
+                f"allowed with --format lessmem: {', '.join(CHECKPOINT_METHODS)}")
     return f"allowed: {', '.join(METHODS)}"
 
 
@@ -195,7 +200,7 @@ def _check_imatrix(args) -> None:
                                 "--imatrix FILE (one to convert)")
         if Path(out).resolve() == Path(args.out).resolve():
             raise T.OptionError("--imatrix-out", out, "is the --out file; allowed: another file")
-    if args.method in ("imatrix", "gptq"):
+    if args.method == "imatrix" or args.method in GGUF_CALIBRATED:
         shape = peek_model(str(args.source))
         ctx = shape and shape["context"]
         if ctx and args.seq_len > ctx:
@@ -326,8 +331,8 @@ def _write_imatrix_out(args, im) -> None:
 def _run_gguf(args) -> int:
     from .gguf_export import export_gguf
 
-    if args.method == "gptq":
-        return _run_gguf_gptq(args)
+    if args.method in GGUF_CALIBRATED:
+        return _run_gguf_calibrated(args)
     im = getattr(args, "imatrix_data", None)
     source = None
     if args.method == "imatrix":
@@ -360,17 +365,20 @@ def _run_gguf(args) -> int:
     return 0
 
 
-def _run_gguf_gptq(args) -> int:
-    """--format gguf --method gptq: the float model encoded block by block (weights.gguf_gptq),
-    written with the source file's metadata and its other tensors as export_gguf writes them."""
+def _run_gguf_calibrated(args) -> int:
+    """--format gguf --method gptq|awq|awq+gptq: the float model encoded block by block
+    (solvers.solve_gguf: AWQ's folded scales and/or GPTQ inside the blocks), written with the
+    source file's metadata and its other tensors as export_gguf writes them (the norms AWQ
+    folded its scales into from the model)."""
     from .. import models
     from .apply import quantize_
     from .config import GGUFConfig
     from .gguf_export import export_gguf_encoded
 
     name = args.model if args.model in getattr(models, "BUILTIN", {}) else str(args.source)
-    model, tok = models.load(name, weights="float")  # GPTQ reads float weights
-    config = GGUFConfig(args.type, gptq=True, n_samples=args.n_samples, seq_len=args.seq_len)
+    model, tok = models.load(name, weights="float")  # the solvers read float weights
+    config = GGUFConfig(args.type, gptq="gptq" in args.method, awq="awq" in args.method,
+                        n_samples=args.n_samples, seq_len=args.seq_len)
     q = quantize_(model, config, calibration=args.calibration, tokenizer=tok, progress=not args.json)
     target, tmp = _fresh(args.out)
     try:
@@ -379,9 +387,13 @@ def _run_gguf_gptq(args) -> int:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    rep.update(source=str(args.source), out=str(args.out), method="gptq",
-               calibration=q["calibration"]["source"], gptq_linears=len(q["layers"]) and sum(
-                   len(v) for v in q["layers"].values()), seconds=round(q["seconds"], 1))
+    per_layer = list(q["layers"].values())
+    rep.update(source=str(args.source), out=str(args.out), method=args.method,
+               calibration=q["calibration"]["source"],
+               calibrated_linears=sum(1 for v in per_layer for e in v.values() if "type" in e),
+               seconds=round(q["seconds"], 1))
+    if config.awq:
+        rep["awq_scales"] = sum(1 for v in per_layer for e in v.values() if "loss_best" in e)
     _print(rep, args.json)
     return 0
 

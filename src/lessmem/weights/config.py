@@ -339,7 +339,11 @@ class GGUFConfig:
     ``n_samples`` windows of ``seq_len`` tokens of the calibration text (as ``GPTQConfig``),
     each block's scales chosen by llama.cpp's quantizer weighted by the importance the pass
     measures, and the codes with GPTQ's error feedback (``damp``: GPTQ's damping); the
-    blocks and the file layout are llama.cpp's, only the codes differ. Not with ``imatrix``.
+    blocks and the file layout are llama.cpp's, only the codes differ. ``awq=True``: first
+    AWQ's per-channel scales (``weights.awq``, searched over ``n_grid`` exponents with the
+    linears' own block types as the quantizer, on the first ``search_samples`` windows)
+    folded into the preceding norm or linear, then each linear encoded with the importance
+    measured after the fold (by GPTQ when ``gptq=True`` too). Neither with ``imatrix``.
 
     Example:
         >>> GGUFConfig("Q4_K_M").type
@@ -358,15 +362,18 @@ class GGUFConfig:
     skip: tuple[str, ...] = ()
     imatrix: object = dataclasses.field(default=None, hash=False)
     gptq: bool = False
+    awq: bool = False
     n_samples: int = 32
     seq_len: int = 512
     damp: float = 0.01
+    n_grid: int = 20
+    search_samples: int | None = 16  # windows AWQ's scale search runs (None: all n_samples)
 
     method = "gguf"
 
     @property
     def needs_calibration(self) -> bool:
-        return self.gptq
+        return self.gptq or self.awq
 
     def __post_init__(self):
         from .gguf_mix import check_mix
@@ -377,12 +384,16 @@ class GGUFConfig:
         object.__setattr__(self, "type", check_mix(self.type))
         object.__setattr__(self, "skip", _as_patterns("GGUFConfig", self.skip))
         _check_bool("gptq", "GGUFConfig", self.gptq)
+        _check_bool("awq", "GGUFConfig", self.awq)
+        _check_int("n_grid", "GGUFConfig", self.n_grid, 1, 200)
+        if self.search_samples is not None:
+            _check_int("search_samples", "GGUFConfig", self.search_samples, 1)
         _check_int("n_samples", "GGUFConfig", self.n_samples, 1)
         _check_int("seq_len", "GGUFConfig", self.seq_len, 8)
         _check_float("damp", "GGUFConfig", self.damp, 0.0, 1.0, lo_open=True)
-        if self.gptq and self.imatrix is not None:
-            raise ValueError("GGUFConfig gptq=True weighs each block's scales by the importance its own "
-                             "calibration pass measures; pass gptq=True or imatrix=..., not both")
+        if self.needs_calibration and self.imatrix is not None:
+            raise ValueError("GGUFConfig gptq=True / awq=True weigh each block's scales by the importance "
+                             "their own calibration pass measures; pass those or imatrix=..., not both")
         if self.imatrix is not None:
             from .imatrix import as_imatrix
 
@@ -400,8 +411,10 @@ class GGUFConfig:
 
     def to_dict(self) -> dict:
         d = {"method": "gguf", "type": self.type, "skip": list(self.skip)}
-        if self.gptq:
-            d.update(gptq=True, n_samples=self.n_samples, seq_len=self.seq_len, damp=self.damp)
+        if self.needs_calibration:
+            d.update(gptq=self.gptq, awq=self.awq, n_samples=self.n_samples, seq_len=self.seq_len)
+            d.update({"damp": self.damp} if self.gptq else {})
+            d.update({"n_grid": self.n_grid, "search_samples": self.search_samples} if self.awq else {})
         if self.imatrix is not None:  # what was given: a file, or an in-memory matrix
             im = self.imatrix_data()
             d["imatrix"] = (os.fspath(self.imatrix) if isinstance(self.imatrix, (str, os.PathLike))

@@ -91,10 +91,11 @@ class Source:
             self.plan[t.name] = (shape, tensor_type(self.mix, t.name, shape[-1], self.n_layers,
                                                     self.has_output, ndim=len(shape), n_gqa=self.n_gqa))
 
-    def write(self, out, encode=None, add_keys=None, progress: bool = True) -> dict:
+    def write(self, out, encode=None, add_keys=None, progress: bool = True, floats=None) -> dict:
         """Write ``out``: the metadata copied (``add_keys(writer)`` may change it), every tensor
         decoded to float32 and written in its planned type, ``encode(name, w, typ)`` giving the
-        raw bytes (default ``quantize_gguf(w, typ)``). Returns the export report."""
+        raw bytes (default ``quantize_gguf(w, typ)``), ``floats[name]`` (float32, the
+        tensor's shape) replacing an F32 tensor's values. Returns the export report."""
         import gguf
 
         out = Path(out)
@@ -110,6 +111,7 @@ class Source:
             shape, typ = self.plan[t.name]
             w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
             if typ == "f32":
+                w = floats.get(t.name, w) if floats else w
                 writer.add_tensor(t.name, w)
                 nbytes += w.nbytes
             else:
@@ -139,9 +141,11 @@ def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool
     on ``lessmem.load(src, weights="float")``) is written as the rows it holds, its q/k rows
     put back in llama.cpp's rotary order for a ``llama`` file. Each such linear must be a
     tensor of ``src`` in the type the mix gives it there (``ValueError`` otherwise, before
-    the file opens)."""
+    the file opens). The F32 tensors (norms, biases) are written from ``model`` too, so
+    scales AWQ folded into a norm or bias reach the file (q/k biases, which no fold
+    changes, stay the source's: a ``llama`` file holds them in its own row order)."""
     from .gguf_linear import GGUFLinear
-    from .gguf_load import _PERMUTED, permute_rows
+    from .gguf_load import _PERMUTED, hf_name, permute_rows
     from .gguf_mix import gguf_name
 
     source = Source(src, mix)
@@ -163,8 +167,18 @@ def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool
         if source.arch in _PERMUTED and sub in heads:
             rows = permute_rows(rows, heads[sub], inverse=False)
         encoded[gname] = rows.numpy()
+    params = dict(model.named_parameters())
+    floats = {}
+    for gname, (shape, typ) in source.plan.items():
+        hf = hf_name(gname)
+        if typ != "f32" or hf not in params or hf.endswith(("q_proj.bias", "k_proj.bias")):
+            continue
+        v = params[hf].detach().float().cpu().numpy()
+        if list(v.shape) != list(shape):
+            raise ValueError(f"{hf} has shape {list(v.shape)}; {gname} in {source.path.name} has {shape}")
+        floats[gname] = v
     return source.write(out, encode=lambda name, w, typ: encoded[name] if name in encoded
-                        else quantize_gguf(w, typ), add_keys=add_keys, progress=progress)
+                        else quantize_gguf(w, typ), add_keys=add_keys, progress=progress, floats=floats)
 
 
 def write_model_gguf(model, out, qtype: str = "q8_0", tokenizer_model: str | None = None) -> Path:

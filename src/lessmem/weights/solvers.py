@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..formats.gguf import dequantize_gguf, quantize_gguf
 from .arch import Arch, get_module, set_module
 from .awq import fold_scale, search_clip, search_scale
 from .calibrate import run_block
@@ -54,27 +55,9 @@ def solve_gptq(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
     return info
 
 
-def solve_gguf_gptq(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
-    """``GGUFConfig(gptq=True)``: ``cfgs`` maps each linear to its GGUF type (from the mix);
-    attention then MLP, each on inputs recomputed through the already-encoded layers."""
-    info = {}
-    for stage in arch.stages:
-        mods = {n: get_module(block, n) for n in stage if n in cfgs}
-        if not mods:
-            continue
-        obs = observe(mods, lambda: run_block(block, hidden, kwargs), want_xtx=True, stop_early=True)
-        for n, lin in mods.items():
-            raw = gptq_gguf(lin.weight, obs[n].hessian(), cfgs[n], config.damp)
-            set_module(block, n, GGUFLinear.from_raw(torch.from_numpy(raw), cfgs[n], lin.in_features, lin.bias))
-            info[n] = {"tokens": obs[n].n, "type": cfgs[n]}
-    return info
-
-
-def solve_awq(block, arch: Arch, hidden, kwargs, cfgs: dict, config, keep_tokens: int = 512) -> dict:
-    names = [n for g in arch.groups for n in g.linears if n in cfgs]
-    mods = {n: get_module(block, n) for n in names}
-    # inputs of each group's first linear, full windows (the inspected modules need sequences)
-    first = {g.linears[0]: g for g in arch.groups}
+def _group_inputs(block, arch: Arch, hidden, kwargs) -> dict[str, torch.Tensor]:
+    """Each scaling group's input (its first linear's), all windows: {first linear: [n, T, K]}."""
+    first = [g.linears[0] for g in arch.groups]
     xs: dict[str, list] = {n: [] for n in first}
     hooks = [get_module(block, n).register_forward_pre_hook(
         lambda m, inp, n=n: xs[n].append(inp[0].detach())) for n in first]
@@ -83,17 +66,75 @@ def solve_awq(block, arch: Arch, hidden, kwargs, cfgs: dict, config, keep_tokens
     finally:
         for h in hooks:
             h.remove()
+    return {n: torch.cat(v) for n, v in xs.items()}
+
+
+def _foldable(block, g, lins: dict, k: int) -> bool:
+    """Whether a scale over the group's k input channels folds into ``g.prev`` exactly."""
+    prev = get_module(block, g.prev)
+    return all(m.in_features == k for m in lins.values()) and (
+        not hasattr(prev, "out_features") or prev.out_features == k)
+
+
+def _gguf_fake_quant(types: dict, x_sq: torch.Tensor):
+    """AWQ's Q for GGUF: the linear's block type, weighted as llama.cpp would weigh the
+    scaled input (importance mean((x / s)²))."""
+    def q(n, ws, s):
+        raw = quantize_gguf(ws.detach().float(), types[n], imatrix=(x_sq / (s * s)).float())
+        return dequantize_gguf(raw, types[n], tuple(ws.shape))
+    return q
+
+
+def solve_gguf(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
+    """``GGUFConfig(gptq=True and/or awq=True)``: ``cfgs`` maps each linear to its GGUF type.
+
+    ``awq``: each scaling group's per-channel scale searched first (``awq.search_scale`` with
+    the group's block types as Q), folded into the norm / preceding linear; then, stage by
+    stage (attention then MLP, on inputs through the already-encoded layers), each linear
+    encoded with its measured importance (diag H / 2): by GPTQ inside the blocks
+    (``gptq``) or by llama.cpp's weighted quantizer."""
+    info: dict = {}
+    if config.awq:
+        mods = {n: get_module(block, n) for g in arch.groups for n in g.linears if n in cfgs}
+        xs = _group_inputs(block, arch, hidden, kwargs)
+        for g in arch.groups:
+            lins, x = {n: mods[n] for n in g.linears if n in mods}, xs[g.linears[0]]
+            if not lins or not _foldable(block, g, lins, x.shape[-1]):
+                continue
+            x_sq = x.reshape(-1, x.shape[-1]).double().pow(2).mean(0)
+            xs_search = x[:config.search_samples] if config.search_samples else x
+            s, best, loss0 = search_scale(block, g, lins, {}, xs_search, kwargs, config.n_grid,
+                                          quantizer=_gguf_fake_quant(cfgs, x_sq))
+            fold_scale(block, g, lins, s)
+            info[g.prev] = {"loss_alpha0": loss0, "loss_best": best}
+    for stage in arch.stages:
+        mods = {n: get_module(block, n) for n in stage if n in cfgs}
+        if not mods:
+            continue
+        obs = observe(mods, lambda: run_block(block, hidden, kwargs), want_xtx=True, stop_early=True)
+        for n, lin in mods.items():
+            h = obs[n].hessian()
+            if config.gptq:
+                raw = gptq_gguf(lin.weight, h, cfgs[n], config.damp)
+            else:
+                raw = quantize_gguf(lin.weight.detach(), cfgs[n], imatrix=torch.diag(h) / 2)
+            set_module(block, n, GGUFLinear.from_raw(torch.from_numpy(raw), cfgs[n], lin.in_features, lin.bias))
+            info.setdefault(n, {}).update(tokens=obs[n].n, type=cfgs[n])  # beside its AWQ entry as prev
+    return info
+
+
+def solve_awq(block, arch: Arch, hidden, kwargs, cfgs: dict, config, keep_tokens: int = 512) -> dict:
+    mods = {n: get_module(block, n) for g in arch.groups for n in g.linears if n in cfgs}
+    # inputs of each group's first linear, full windows (the inspected modules need sequences)
+    xs = _group_inputs(block, arch, hidden, kwargs)
     info, kept = {}, {}
     for g in arch.groups:  # phase 1: search and fold every group's scale (float model)
         lins = {n: mods[n] for n in g.linears if n in mods}
         if not lins:
             continue
-        x = torch.cat(xs[g.linears[0]])  # [n, T, K]
-        prev = get_module(block, g.prev)
+        x = xs[g.linears[0]]  # [n, T, K]
         k = x.shape[-1]
-        foldable = all(m.in_features == k for m in lins.values()) and (
-            not hasattr(prev, "out_features") or prev.out_features == k)
-        if foldable:
+        if _foldable(block, g, lins, k):
             xs_search = x[:config.search_samples] if config.search_samples else x
             s, best, loss0 = search_scale(block, g, lins, {n: cfgs[n] for n in lins},
                                           xs_search, kwargs, config.n_grid)
@@ -138,4 +179,4 @@ def solve_smoothquant(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> 
     return info
 
 
-SOLVERS = {"gptq": solve_gptq, "awq": solve_awq, "smoothquant": solve_smoothquant, "gguf": solve_gguf_gptq}
+SOLVERS = {"gptq": solve_gptq, "awq": solve_awq, "smoothquant": solve_smoothquant, "gguf": solve_gguf}
