@@ -14,7 +14,7 @@ from lessmem.base.gguf_rules import (
     type_bytes,
     use_more_bits,
 )
-from lessmem.formats.gguf import GGUF_TYPES as ENCODER_TYPES
+from lessmem.formats.gguf import gguf_type
 from lessmem.plan.models import get_model
 from lessmem.plan.weights import get_weight_format, mix_type, weight_footprint
 from lessmem.weights import gguf_mix
@@ -131,7 +131,7 @@ def test_planner_matches_exporter(model, ftype):
     assert planned == dict(exported)
     # bytes: the planner's block table against the encoder's layout
     planned_bytes = sum(v["bytes"] for k, v in fp.items() if k != "f32")
-    enc = sum(p // ENCODER_TYPES[k].block_size * ENCODER_TYPES[k].type_size for k, p in exported.items())
+    enc = sum(p // gguf_type(k).block_size * gguf_type(k).type_size for k, p in exported.items())
     assert planned_bytes == enc
 
 

@@ -39,10 +39,11 @@ def test_grid_codes_round_trip(qtype):
         u = gguf_codes.codes(raw, qtype)
         g = gguf_codes.grid(raw, qtype)
         assert np.array_equal(gguf_codes.with_codes(raw, qtype, u), raw)
-        y = g.d * (u.astype(np.float32) - g.off) - g.m  # the decoder's values, exactly
-        assert np.array_equal(y, dequantize_gguf(raw, qtype, x.shape).numpy())
+        assert np.array_equal(g.decode(u), dequantize_gguf(raw, qtype, x.shape).numpy())  # exactly
         if qtype in K_TYPES:  # the K-quants end on nearest codes against their stored scales
             assert np.array_equal(gguf_codes.nearest_codes(x, g, u), u)
+        elif qtype.startswith("iq4"):  # IQ4 against the scale before fp16 rounding: nearly all
+            assert (gguf_codes.nearest_codes(x, g, u) == u).mean() > 0.99
         v = u.copy()
         v[:, 5] = g.qmax - v[:, 5]  # other codes: only the code bytes change
         changed = gguf_codes.with_codes(raw, qtype, v)
@@ -52,8 +53,8 @@ def test_grid_codes_round_trip(qtype):
 
 def test_grid_bad_input():
     raw = quantize_gguf(_weights(2, 256), "q4_k")
-    with pytest.raises(ValueError, match="IQ4_NL has no integer grid"):
-        gguf_codes.grid(quantize_gguf(_weights(2, 256), "iq4_nl"), "iq4_nl")
+    with pytest.raises(ValueError, match="GGUF type 'f16' is not supported"):
+        gguf_codes.grid(raw, "f16")
     with pytest.raises(ValueError, match="codes must lie in 0..15"):
         gguf_codes.with_codes(raw, "q4_k", np.full((2, 256), 16))
     with pytest.raises(ValueError, match="codes have 10 elements; raw holds 512"):
@@ -96,8 +97,8 @@ def test_error_feedback_lowers_output_error(qtype, correlated):
 
 def test_gptq_gguf_bad_input(correlated):
     _, w, h = correlated
-    with pytest.raises(ValueError, match="IQ4_XS has no integer grid for GPTQ"):
-        gptq_gguf(w, h, "iq4_xs")
+    with pytest.raises(ValueError, match="GGUF type 'f16' is not supported"):
+        gptq_gguf(w, h, "f16")
     with pytest.raises(ValueError, match="Q4_K encodes rows in blocks of 256; the weight has 288"):
         gptq_gguf(w[:, :288], h[:288, :288], "q4_k")
     with pytest.raises(ValueError, match=r"h must be the \[in, in\] = \[512, 512\] Hessian"):
@@ -177,18 +178,19 @@ def test_gguf_config_gptq_bad_input():
 
 def _load_logits(path, ids):
     model, _ = lessmem.load(str(path))
+    assert model._lessmem_gguf["inflated"] == []  # every block type held as it is (IQ4 too)
     with torch.no_grad():
         return model(ids).logits
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
-def test_cli_calibrated_writes_a_llama_cpp_file(tmp_path, capsys, method):
+@pytest.mark.parametrize("method, mix", [("gptq", "Q3_K_M"), ("awq+gptq", "Q3_K_M"), ("awq+gptq", "IQ4_XS")])
+def test_cli_calibrated_writes_a_llama_cpp_file(tmp_path, capsys, method, mix):
     src = tmp_path / "tiny.gguf"
     m = _model()
     tiny_gguf(src, m)
     calib = tmp_path / "calib.txt"
     calib.write_text(TEXT)
-    base = ["quantize", "--model", str(src), "--format", "gguf", "--type", "Q3_K_M", "--json"]
+    base = ["quantize", "--model", str(src), "--format", "gguf", "--type", mix, "--json"]
     out_g, out_p = tmp_path / "gptq.gguf", tmp_path / "plain.gguf"
     rc = main([*base, "--method", method, "--calibration", str(calib), "--n-samples", "4",
                "--seq-len", "64", "--out", str(out_g)])

@@ -29,12 +29,15 @@ def test_wrapper_is_the_plan_rule():
 
 
 def test_wrapper_refuses_types_it_cannot_encode(monkeypatch):
-    # a Q3_K row of 576 falls back to Q4_0 (encodable); a type lessmem has no encoder for
-    # (IQ4_NL, which older llama.cpp chose there) and F16 (rows of 48) are refused
+    # a Q3_K row of 576 falls back to Q4_0 (encodable); a type lessmem had no encoder for
+    # (IQ4_NL, which older llama.cpp chose there, before lessmem encoded it) and F16 (rows
+    # of 48) are refused
     assert gguf_mix.tensor_type("Q3_K_M", "blk.0.attn_q.weight", 576, 30) == "q4_0"
     from lessmem.base import gguf_rules
 
     monkeypatch.setitem(gguf_rules.FALLBACK, "q3_k", "iq4_nl")
+    assert gguf_mix.tensor_type("Q3_K_M", "blk.0.attn_q.weight", 576, 30) == "iq4_nl"
+    monkeypatch.setattr(gguf_mix, "ENCODABLE", tuple(t for t in gguf_mix.ENCODABLE if t != "iq4_nl"))
     with pytest.raises(ValueError, match="stores it as iq4_nl in Q3_K_M .row length 576.*cannot encode"):
         gguf_mix.tensor_type("Q3_K_M", "blk.0.attn_q.weight", 576, 30)
     monkeypatch.undo()
@@ -75,3 +78,22 @@ def test_gguf_config_matches_planner(ftype, layers, heads, kv):
     if layers == 80:  # 70B rule: attn_v Q4_K -> Q5_K, here with its row-64 fallback Q5_1
         v = [rep["types"][f"model.layers.{i}.self_attn.v_proj"] for i in range(80)]
         assert v.count("q5_1") == 40 and v.count("q8_0") == 40  # q6_k -> q8_0 on 40 layers
+
+
+def test_plan_with_importance_follows_llama_cpp_imatrix_rule():
+    """IQ4's first-eighth ffn_down is Q5_K without an importance matrix and stays IQ4 with one
+    (given, or measured by GPTQ/AWQ's pass), as llama-quantize chooses; attn_v is Q5_K at 4
+    query heads per KV head either way."""
+    from lessmem.weights.gguf_apply import gguf_plan
+    from lessmem.weights.imatrix import IMatrix
+
+    m = tiny_random("llama", num_layers=8, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=1)
+    for mix, base in (("IQ4_XS", "iq4_xs"), ("IQ4_NL", "iq4_nl")):
+        plain, gptq, awq, given = ({n: t for n, _, _, t in gguf_plan(m, c)} for c in (
+            lessmem.GGUFConfig(mix), lessmem.GGUFConfig(mix, gptq=True), lessmem.GGUFConfig(mix, awq=True),
+            lessmem.GGUFConfig(mix, imatrix=IMatrix({}))))
+        down0 = "model.layers.0.mlp.down_proj"
+        assert plain[down0] == "q5_k" and gptq[down0] == awq[down0] == given[down0] == base
+        assert plain["model.layers.1.mlp.down_proj"] == base  # 8 layers: the first eighth is layer 0
+        assert plain["model.layers.5.self_attn.v_proj"] == gptq["model.layers.5.self_attn.v_proj"] == "q5_k"
+        assert {n: t for n, t in plain.items() if n != down0} == {n: t for n, t in gptq.items() if n != down0}

@@ -3,21 +3,24 @@
 One copy of the rules for the planner (``plan.weights``), ``GGUFConfig`` and the GGUF
 exporter (``weights.gguf_mix`` wraps :func:`tensor_type`). It follows
 ``llama_tensor_get_type`` (llama.cpp ``src/llama-quant.cpp``) for the classic and K-quant
-file types, Llama-style tensor names, no importance matrix (``--imatrix`` changes some
-choices), no ``--pure``/``--output-tensor-type`` overrides:
+file types and IQ4_NL / IQ4_XS, Llama-style tensor names, no ``--pure``/
+``--output-tensor-type`` overrides; ``has_imatrix`` (an importance matrix is given) changes
+one choice, IQ4's ffn_down:
 
 - every 2-D tensor gets the file type's base type; 1-D tensors (norms, biases) stay F32;
 - ``output.weight`` (``token_embd.weight`` when the output is tied to it): Q6_K, or
   Q8_0 when the base is Q8_0 or the row length is not a multiple of the base block;
 - ``attn_v``: Q2_K→Q3_K (Q4_K with ≥ 4 query heads per KV head); Q3_K_M→Q5_K in
   layers 0-1, else Q4_K; Q3_K_L→Q5_K; Q4_K_M/Q5_K_M→Q6_K where ``use_more_bits``;
-  Q4_K_S→Q5_K in layers 0-3; then on a 70B (llama.cpp's model type: 80 layers with
-  grouped KV heads, 8 query heads per KV head) Q3_K/Q4_K→Q5_K, since its attn_v is 8x
-  smaller than attn_q; with 8 experts Q8_0 (and attn_k Q8_0);
+  Q4_K_S→Q5_K in layers 0-3; IQ4_NL/IQ4_XS→Q5_K with ≥ 4 query heads per KV head;
+  then on a 70B (llama.cpp's model type: 80 layers with grouped KV heads, 8 query heads
+  per KV head) Q3_K/Q4_K→Q5_K, since its attn_v is 8x smaller than attn_q; with 8
+  experts Q8_0 (and attn_k Q8_0);
 - ``ffn_down``: Q2_K→Q3_K; Q3_K_M→Q5_K in the first sixteenth, else Q4_K; Q3_K_L→Q5_K;
   Q4_K_M/Q5_K_M→Q6_K where ``use_more_bits``; Q4_K_S→Q5_K in the first eighth;
+  IQ4_NL/IQ4_XS→Q5_K in the first eighth, without an importance matrix only;
 - ``attn_output``: Q2_K→Q3_K, Q3_K_M→Q4_K, Q3_K_L→Q5_K (with 8 experts: Q5_K for
-  Q2_K, Q3_K_S/M, Q4_K_S/M); fused ``attn_qkv``: Q3_K_M/L→Q4_K, Q4_K_M→Q5_K, Q5_K_M→Q6_K;
+  Q2_K, Q3_K_S/M, Q4_K_S/M, IQ4_NL/XS); fused ``attn_qkv``: Q3_K_M/L→Q4_K, Q4_K_M→Q5_K, Q5_K_M→Q6_K;
 - a row length (``n_cols``, ggml's ``ne[0]``) that is not a multiple of the type's block
   falls back (``tensor_type_fallback``): Q2_K/Q3_K→Q4_0, IQ4_XS→IQ4_NL, Q4_K→Q5_0,
   Q5_K→Q5_1, Q6_K→Q8_0, then F16 (checked tensor by tensor against llama.cpp's own
@@ -58,7 +61,9 @@ FILE_TYPES: dict[str, tuple[str, int]] = {
     "Q5_1": ("q5_1", 9), "Q2_K": ("q2_k", 10), "Q3_K_S": ("q3_k", 11), "Q3_K_M": ("q3_k", 12),
     "Q3_K_L": ("q3_k", 13), "Q4_K_S": ("q4_k", 14), "Q4_K_M": ("q4_k", 15),
     "Q5_K_S": ("q5_k", 16), "Q5_K_M": ("q5_k", 17), "Q6_K": ("q6_k", 18),
+    "IQ4_NL": ("iq4_nl", 25), "IQ4_XS": ("iq4_xs", 30),
 }
+_IQ4 = ("IQ4_NL", "IQ4_XS")
 
 
 def check_file_type(ftype: str) -> str:
@@ -79,7 +84,8 @@ def is_70b(n_layers: int, n_gqa: int) -> bool:
     return n_layers == 80 and n_gqa > 1
 
 
-def _by_role(f: str, name: str, i: int, n: int, n_gqa: int, n_expert: int, typ: str) -> str:
+def _by_role(f: str, name: str, i: int, n: int, n_gqa: int, n_expert: int, typ: str,
+             has_imatrix: bool = False) -> str:
     """The type before the row-length fallback, for a tensor that is not the output."""
     if "attn_v.weight" in name:
         if f == "Q2_K":
@@ -91,6 +97,8 @@ def _by_role(f: str, name: str, i: int, n: int, n_gqa: int, n_expert: int, typ: 
         elif f in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
             typ = "q6_k"
         elif f == "Q4_K_S" and i < 4:
+            typ = "q5_k"
+        elif f in _IQ4 and n_gqa >= 4:
             typ = "q5_k"
         if is_70b(n, n_gqa) and typ in ("q3_k", "q4_k"):
             typ = "q5_k"
@@ -110,9 +118,11 @@ def _by_role(f: str, name: str, i: int, n: int, n_gqa: int, n_expert: int, typ: 
             typ = "q6_k"
         elif f == "Q4_K_S" and i < n // 8:
             typ = "q5_k"
+        elif f in _IQ4 and i < n // 8 and not has_imatrix:
+            typ = "q5_k"
     elif "attn_output.weight" in name:
         if n_expert == 8:
-            if f in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+            if f in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", *_IQ4):
                 typ = "q5_k"
         else:
             typ = {"Q2_K": "q3_k", "Q3_K_M": "q4_k", "Q3_K_L": "q5_k"}.get(f, typ)
@@ -122,11 +132,12 @@ def _by_role(f: str, name: str, i: int, n: int, n_gqa: int, n_expert: int, typ: 
 
 
 def tensor_type(ftype: str, name: str, n_cols: int, n_layers: int, has_output: bool = True,
-                ndim: int = 2, n_gqa: int = 1, n_expert: int = 1) -> str:
+                ndim: int = 2, n_gqa: int = 1, n_expert: int = 1, has_imatrix: bool = False) -> str:
     """GGUF type (lower case; "f32"/"f16" for float) that llama-quantize gives tensor ``name``.
 
     ``name`` is the GGUF tensor name (``blk.3.attn_v.weight``, ``output.weight``);
-    ``n_cols`` the row length; ``n_gqa`` query heads per KV head; ``n_expert`` experts.
+    ``n_cols`` the row length; ``n_gqa`` query heads per KV head; ``n_expert`` experts;
+    ``has_imatrix``: encoded with an importance matrix (``llama-quantize --imatrix``).
     """
     f = check_file_type(ftype)
     if ndim < 2:
@@ -142,7 +153,7 @@ def tensor_type(ftype: str, name: str, n_cols: int, n_layers: int, has_output: b
     elif name == "token_embd.weight":
         typ = base
     else:
-        typ = _by_role(f, name, i, n_layers, n_gqa, n_expert, base)
+        typ = _by_role(f, name, i, n_layers, n_gqa, n_expert, base, has_imatrix)
     return row_fallback(typ, n_cols)
 
 

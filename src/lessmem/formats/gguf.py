@@ -15,10 +15,11 @@ K-quants: super-blocks of 256 elements with quantized sub-block scales (see
 Q5_K 176 B (5.5), Q6_K 210 B (6.5625).
 
 Non-linear 4-bit (``gguf_iquants``): IQ4_NL 18 B per 32 (4.5 bpw) and IQ4_XS 136 B per
-256 (4.25 bpw), indices into a fixed 16-level table. They are encode/decode only:
-registered in ``GGUF_IQ_TYPES`` (``gguf_type``, ``quantize_gguf``, ``dequantize_gguf`` and
-``quantize(x, "IQ4_XS")`` take them), not in ``GGUF_TYPES``, which lists the types the
-GGUF linear kernels decode.
+256 (4.25 bpw), indices into a fixed 16-level table. They are registered in
+``GGUF_IQ_TYPES`` (``gguf_type``, ``quantize_gguf``, ``dequantize_gguf`` and
+``quantize(x, "IQ4_XS")`` take them), not in ``GGUF_TYPES``, the ten types with an integer
+grid that the Triton kernels also decode; the CPU kernels (``KERNEL_TYPES``), the loader
+and the IQ4_NL / IQ4_XS file types take them too.
 
 Blocks run along the last dimension, which must be a multiple of the block size. The
 quantizers write the bytes llama.cpp's reference quantizers write (``quantize_row_*_ref``,
@@ -99,10 +100,9 @@ GGUF_TYPES: dict[str, GGUFType] = {
     )
 }
 
-# Encode/decode-only types (``gguf_iquants``): ``gguf_type``, ``quantize_gguf``,
-# ``dequantize_gguf`` and ``quantize(x, "IQ4_NL")`` know them, but they are kept out of
-# ``GGUF_TYPES``, the list the GGUF linear kernels, the loader, the exporter's mixes and
-# the planner iterate over, since no kernel decodes them yet.
+# The non-linear types (``gguf_iquants``): ``gguf_type``, ``quantize_gguf``,
+# ``dequantize_gguf`` and ``quantize(x, "IQ4_NL")`` know them; kept out of ``GGUF_TYPES``
+# (the Triton kernels do not decode them: CUDA takes the torch fallback for them).
 GGUF_IQ_TYPES: dict[str, GGUFType] = {
     t.name: t
     for t in (

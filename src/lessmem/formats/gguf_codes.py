@@ -3,14 +3,16 @@
 Error-feedback quantizers (GPTQ inside the K-quants, ``weights.gguf_gptq``) fix a block's
 scales first, with llama.cpp's own quantizer, and then pick each element's code one
 column at a time. They need three things per block type, given here for the five legacy
-types (blocks of 32) and the five K-quants (super-blocks of 256):
+types (blocks of 32), the five K-quants (super-blocks of 256) and IQ4_NL / IQ4_XS:
 
-- ``grid(raw, t)`` -> ``Grid(d, m, off, qmax)``, each ``[R, n]`` float32 per element (or
-  ints): element e decodes as ``d_e * (u_e - off) - m_e`` for its stored code
-  ``u_e`` in ``0..qmax``; the nearest code to a value x is
+- ``grid(raw, t)`` -> ``Grid(d, m, off, qmax, levels)``, ``d``/``m`` ``[R, n]`` float32 per
+  element: element e decodes as ``d_e * (u_e - off) - m_e`` for its stored code ``u_e``
+  in ``0..qmax`` (``Grid.decode``); the nearest code to a value x is
   ``clip(rint((x + m) / d) + off, 0, qmax)``, the rounding llama.cpp's K-quant
   quantizers end with (``_requant``), so re-choosing the codes of an unchanged block
-  gives its own codes back where ``d != 0``;
+  gives its own codes back where ``d != 0``. The IQ4 types have no even grid: ``levels``
+  (llama.cpp's ``kvalues_iq4nl``) and ``d_e * levels[u_e]``, the nearest level found as
+  their quantizer finds it (``best_index_int8`` of ``x / d``);
 - ``codes(raw, t)`` -> the stored codes ``u`` ``[R, n]`` (uint8);
 - ``with_codes(raw, t, u)`` -> a copy of ``raw`` with only the codes replaced (every code
   of a block type sits in one contiguous byte range, after or before its scales).
@@ -36,6 +38,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from . import gguf_iquants as I
 from . import gguf_kquants as K
 from . import gguf_legacy as L
 from .gguf_search import _rint
@@ -48,6 +51,13 @@ class Grid(NamedTuple):
     m: np.ndarray  # [R, n] offset subtracted after the product (0 for symmetric types)
     off: int  # code of the value 0 of a symmetric type (8 for Q4_0, 4 for Q3_K ...), else 0
     qmax: int  # largest code
+    levels: np.ndarray | None = None  # the IQ4 types' value table (u -> level), else None
+
+    def decode(self, u: np.ndarray) -> np.ndarray:
+        """The values codes ``u`` (shaped like ``d``) decode to, float32 as the decoders compute them."""
+        u = np.asarray(u)
+        q = self.levels[u] if self.levels is not None else u.astype(F32) - F32(self.off)
+        return (self.d * q - self.m).astype(F32)
 
 
 class _Spec(NamedTuple):
@@ -58,6 +68,7 @@ class _Spec(NamedTuple):
     scales: Callable[[np.ndarray], tuple]  # block bytes -> (d [B, S], m [B, S] or None)
     off: int
     qmax: int
+    levels: np.ndarray | None = None
 
 
 def _i8(r: np.ndarray) -> np.ndarray:
@@ -101,6 +112,10 @@ SPECS: dict[str, _Spec] = {
     "q4_k": _Spec(16, 144, K.codes_q4_k, K.uncodes_q4_k, K.scales_q45_k, 0, 15),
     "q5_k": _Spec(16, 176, K.codes_q5_k, K.uncodes_q5_k, K.scales_q45_k, 0, 31),
     "q6_k": _Spec(0, 192, K.codes_q6_k, K.uncodes_q6_k, lambda r: (K.scales_q6_k(r), None), 32, 63),
+    "iq4_nl": _Spec(2, 18, I._pack_nibbles, lambda r: I._unpack_nibbles(r[:, 2:18]),
+                    lambda r: (I._fp16_at(r, 0), None), 0, 15, I._V),
+    "iq4_xs": _Spec(8, 136, I._pack_nibbles, lambda r: I._unpack_nibbles(r[:, 8:136]),
+                    lambda r: (I.scales_iq4_xs(r), None), 0, 15, I._V),
 }
 
 
@@ -131,7 +146,7 @@ def grid(raw: np.ndarray, qtype) -> Grid:
     d = np.repeat(d, rep, axis=1)
     m = np.zeros_like(d) if m is None else np.repeat(m, rep, axis=1)
     rows = raw.shape[0]
-    return Grid(d.reshape(rows, -1).astype(F32), m.reshape(rows, -1).astype(F32), s.off, s.qmax)
+    return Grid(d.reshape(rows, -1).astype(F32), m.reshape(rows, -1).astype(F32), s.off, s.qmax, s.levels)
 
 
 def codes(raw: np.ndarray, qtype) -> np.ndarray:
@@ -156,6 +171,9 @@ def with_codes(raw: np.ndarray, qtype, u: np.ndarray) -> np.ndarray:
 def nearest_codes(x: np.ndarray, g: Grid, keep: np.ndarray) -> np.ndarray:
     """The code nearest to each ``x`` on grid ``g`` (same shape as ``g.d``, or a column of
     it); where a step is 0 every code decodes alike and ``keep``'s code stays."""
+    if g.levels is not None:  # IQ4: the level nearest x / d, as llama.cpp's quantizer picks it
+        u = I._best_index(I._inv(g.d) * np.asarray(x, dtype=F32))
+        return np.where(g.d != 0, u, keep).astype(np.uint8)
     with np.errstate(divide="ignore", invalid="ignore"):
         v = np.where(g.d != 0, (np.asarray(x, dtype=F32) + g.m) / g.d, F32(0))
     u = np.clip(_rint(v) + g.off, 0, g.qmax)

@@ -196,14 +196,19 @@ def dequantize_iq4_nl(r: np.ndarray) -> np.ndarray:
     return _fp16_at(r, 0) * _V[_unpack_nibbles(r[:, 2:18])]
 
 
-def dequantize_iq4_xs(r: np.ndarray) -> np.ndarray:
-    """[N, 136] uint8 -> [N, 256] float32: ``d * (ls - 32) * kvalues_iq4nl[q]`` per sub-block."""
-    n = r.shape[0]
+def scales_iq4_xs(r: np.ndarray) -> np.ndarray:
+    """[N, 136] uint8 -> [N, 8] float32: each sub-block's scale ``d * (ls - 32)``."""
     d = _fp16_at(r, 0)
     sh = np.ascontiguousarray(r[:, 2:4]).view("<u2").astype(np.int32)  # [N, 1]
     sl = r[:, 4:8].astype(np.int32)
     ib = np.arange(8)
     ls = ((sl[:, ib // 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
-    dl = d * (ls - 32).astype(F32)  # [N, 8]
+    return d * (ls - 32).astype(F32)
+
+
+def dequantize_iq4_xs(r: np.ndarray) -> np.ndarray:
+    """[N, 136] uint8 -> [N, 256] float32: ``d * (ls - 32) * kvalues_iq4nl[q]`` per sub-block."""
+    n = r.shape[0]
+    dl = scales_iq4_xs(r)  # [N, 8]
     q = _V[_unpack_nibbles(r[:, 8:136])].reshape(n, 8, 32)
     return (dl[:, :, None] * q).reshape(n, 256)

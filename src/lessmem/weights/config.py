@@ -351,7 +351,7 @@ class GGUFConfig:
         >>> GGUFConfig("Q3_K_XL")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: GGUF type 'Q3_K_XL' is not supported; allowed: Q4_0, Q4_1, Q8_0, ..., Q6_K
+        ValueError: GGUF type 'Q3_K_XL' is not supported; allowed: Q4_0, Q4_1, Q8_0, ..., IQ4_XS
         >>> GGUFConfig("Q4_K_M", imatrix=3)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...

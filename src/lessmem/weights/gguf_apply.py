@@ -54,6 +54,8 @@ def gguf_plan(model: nn.Module, config, filter_fn=None) -> list[tuple[str, nn.Mo
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     heads = int(getattr(model.config, "num_attention_heads", 1) or 1)
     n_gqa = heads // int(getattr(model.config, "num_key_value_heads", None) or heads)
+    # an importance matrix, given or measured by the calibrated pass: llama.cpp's choices with one
+    weighted = getattr(config, "imatrix", None) is not None or getattr(config, "needs_calibration", False)
     done = set()
     plan = []
     for name, mod in model.named_modules():
@@ -67,7 +69,8 @@ def gguf_plan(model: nn.Module, config, filter_fn=None) -> list[tuple[str, nn.Mo
         gname = gguf_name(name) or f"{name}.weight"
         if gname == "output.weight" and tied:
             gname = "token_embd.weight"  # the tied tensor is stored once, as token_embd
-        t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied, n_gqa=n_gqa)
+        t = tensor_type(config.type, gname, mod.in_features, n_layers, has_output=not tied, n_gqa=n_gqa,
+                        has_imatrix=weighted)
         plan.append((name, mod, gname, t))
     return plan
 

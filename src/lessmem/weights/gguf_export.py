@@ -70,9 +70,10 @@ def add_tensors(writer, tensors, mix: str, n_layers: int, has_output: bool, n_gq
 class Source:
     """A source ``.gguf`` opened for re-encoding: its reader and what llama.cpp's type rules
     read from it (``arch``, ``n_layers``, ``n_gqa``: query heads per KV head, ``has_output``),
-    and ``plan``: tensor name -> (shape in numpy order, type ``mix`` gives it)."""
+    and ``plan``: tensor name -> (shape in numpy order, type ``mix`` gives it; ``has_imatrix``:
+    as llama.cpp chooses when given an importance matrix)."""
 
-    def __init__(self, src, mix: str):
+    def __init__(self, src, mix: str, has_imatrix: bool = False):
         self.mix = check_mix(mix)
         self.path = src = Path(src)
         if not src.is_file() or src.suffix != ".gguf":
@@ -89,7 +90,8 @@ class Source:
         for t in reader.tensors:
             shape = [int(s) for s in reversed(list(t.shape))]  # numpy order: [rows, cols]
             self.plan[t.name] = (shape, tensor_type(self.mix, t.name, shape[-1], self.n_layers,
-                                                    self.has_output, ndim=len(shape), n_gqa=self.n_gqa))
+                                                    self.has_output, ndim=len(shape), n_gqa=self.n_gqa,
+                                                    has_imatrix=has_imatrix))
 
     def write(self, out, encode=None, add_keys=None, progress: bool = True, floats=None) -> dict:
         """Write ``out``: the metadata copied (``add_keys(writer)`` may change it), every tensor
@@ -135,7 +137,8 @@ def export_gguf(src, out, mix: str = "Q4_K_M", progress: bool = True) -> dict:
     return Source(src, mix).write(out, progress=progress)
 
 
-def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool = True) -> dict:
+def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool = True,
+                        has_imatrix: bool = True) -> dict:
     """``src`` re-encoded in ``mix`` (``Source.write``), except that every linear ``model``
     holds as a ``GGUFLinear`` (e.g. after ``quantize_(model, GGUFConfig(mix, gptq=True))``
     on ``lessmem.load(src, weights="float")``) is written as the rows it holds, its q/k rows
@@ -143,12 +146,14 @@ def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool
     tensor of ``src`` in the type the mix gives it there (``ValueError`` otherwise, before
     the file opens). The F32 tensors (norms, biases) are written from ``model`` too, so
     scales AWQ folded into a norm or bias reach the file (q/k biases, which no fold
-    changes, stay the source's: a ``llama`` file holds them in its own row order)."""
+    changes, stay the source's: a ``llama`` file holds them in its own row order).
+    ``has_imatrix``: the mix's types as llama.cpp chooses them with an importance matrix (as
+    ``gguf_plan`` does for a calibrated ``GGUFConfig``; only IQ4's ffn_down differs)."""
     from .gguf_linear import GGUFLinear
     from .gguf_load import _PERMUTED, hf_name, permute_rows
     from .gguf_mix import gguf_name
 
-    source = Source(src, mix)
+    source = Source(src, mix, has_imatrix=has_imatrix)
     cfg = model.config
     heads = {"self_attn.q_proj": cfg.num_attention_heads,
              "self_attn.k_proj": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}

@@ -11,13 +11,15 @@ solve is ``weights.gptq``'s) but on the block type's own grid:
   columns *as updated so far*, weighted by the importance of each column (the mean
   squared input, ``diag(h) / 2``, what ``llama-imatrix`` collects), exactly as
   ``llama-quantize --imatrix`` would encode them;
-- each column's codes are then the nearest on that fixed grid (``formats.gguf_codes``),
+- each column's codes are then the nearest on that fixed grid (``formats.gguf_codes``;
+  for IQ4_NL / IQ4_XS the nearest of their 16 non-uniform levels times the block scale),
   and its rounding error is spread over the later columns through the Cholesky factor
   of ``(h + λI)⁻¹``; only the codes differ from the plain encoding, never the layout.
 
 With a diagonal ``h`` no error can be carried and the result is byte for byte
-``quantize_gguf(w, t, imatrix=diag(h) / 2)`` for the K-quants (tested). Types without an
-integer grid (IQ4_NL/XS, F16/F32) are refused (``ValueError``). The legacy weighted
+``quantize_gguf(w, t, imatrix=diag(h) / 2)`` for the K-quants (tested); the IQ4 quantizers
+pick codes against the scale before its fp16 rounding, so there a few codes may differ.
+Float types (F16/F32) are refused (``ValueError``). The legacy weighted
 quantizers weigh a block by its whole row's mean square; here a block sees only the row
 so far (it is encoded before the later columns are final).
 
@@ -94,7 +96,8 @@ def gptq_gguf(w: torch.Tensor, h: torch.Tensor, qtype, damp: float = 0.01,
                 i = b0 + j
                 col = W1[:, i]
                 u[:, j] = nearest_codes(col.float().numpy(), _column(g, j), u[:, j])
-                q = torch.from_numpy(d[:, j] * (u[:, j].astype(np.float64) - g.off) - m[:, j])
+                lv = g.levels[u[:, j]] if g.levels is not None else u[:, j].astype(np.float64) - g.off
+                q = torch.from_numpy(d[:, j] * lv.astype(np.float64) - m[:, j])
                 e = (col - q) / U1[i, i]
                 W1[:, i:] -= e[:, None] * U1[i:i + 1, i:]
                 Err[:, i] = e

@@ -5,7 +5,8 @@ file's architecture on the ``meta`` device (no memory) and fills it from the fil
 into memory (``torch.from_file``, a private mapping: pages are read from the file when first
 touched and counted once, however many layers view them):
 
-- a linear whose tensor has one of the ten block types of ``formats.gguf`` becomes a
+- a linear whose tensor has one of the twelve block types the kernels read (the ten of
+  ``formats.gguf``'s ``GGUF_TYPES`` and IQ4_NL / IQ4_XS) becomes a
   ``GGUFLinear`` whose ``qweight`` *is* the file's bytes (a view, no copy), run by the fused
   dequant-matmul kernel when decoding. For ``llama`` files the ``attn_q``/``attn_k`` rows
   are put back in transformers' rotary order (llama.cpp's converter interleaves them,
@@ -15,7 +16,7 @@ touched and counted once, however many layers view them):
   per call, never the table;
 - a tied ``lm_head`` is a ``GGUFLinear`` over the same tensor (held once);
 - F32/F16/BF16 tensors (norms, biases) are copied as floats (they are small), and a weight
-  of another type (the IQ family) is decoded to floats with the ``gguf`` package, listed in
+  of another type (the other IQ types) is decoded to floats with the ``gguf`` package, listed in
   the report's ``inflated``.
 
 The model's ``_lessmem_gguf`` report says what was held how: ``file``, ``types`` (HF name →
@@ -44,7 +45,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..formats.gguf import GGUF_TYPES
 from ..formats.gguf_file import read_gguf_header
 from ..kernels import gguf_linear_cpp as kernel
 from ..kernels import linear_ops  # noqa: F401  (registers torch.ops.lessmem.gguf_dequantize)
@@ -186,7 +186,7 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8
             raise ValueError(f"{path}: tensor {gname} has shape {shape}; the model's {name} needs "
                              f"{tuple(wanted[name].shape)}")
         qtype = info.type_name.lower()
-        if not (kind == "weight" and len(shape) == 2 and qtype in GGUF_TYPES):
+        if not (kind == "weight" and len(shape) == 2 and qtype in kernel.KERNEL_TYPES):
             floats.append((name, raw, info, shape))
             continue
         rows = raw.view(shape[0], -1)

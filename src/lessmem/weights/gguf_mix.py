@@ -19,12 +19,12 @@ import re
 
 from ..base import gguf_rules
 from ..base.gguf_rules import use_more_bits  # noqa: F401  (re-export)
-from ..formats.gguf import GGUF_TYPES
+from ..formats.gguf import GGUF_IQ_TYPES, GGUF_TYPES
 
 # file type -> base block type; llama_ftype ids written to general.file_type
 MIXES = {f: base for f, (base, _) in gguf_rules.FILE_TYPES.items()}
 FILE_TYPE_IDS = {f: i for f, (_, i) in gguf_rules.FILE_TYPES.items()}
-ENCODABLE = tuple(GGUF_TYPES)  # the block types lessmem.formats.gguf encodes
+ENCODABLE = (*GGUF_TYPES, *GGUF_IQ_TYPES)  # the block types lessmem.formats.gguf encodes
 
 
 def check_mix(mix: str) -> str:
@@ -33,13 +33,14 @@ def check_mix(mix: str) -> str:
 
 
 def tensor_type(mix: str, name: str, n_cols: int, n_layers: int, has_output: bool = True,
-                ndim: int = 2, n_gqa: int = 1, n_expert: int = 1) -> str:
+                ndim: int = 2, n_gqa: int = 1, n_expert: int = 1, has_imatrix: bool = False) -> str:
     """GGUF type name (lower case, or "f32") for tensor ``name`` with rows of ``n_cols``.
 
     ValueError when llama.cpp's choice is a type lessmem cannot encode (F16, for rows that
     are not a multiple of 32).
     """
-    t = gguf_rules.tensor_type(mix, name, n_cols, n_layers, has_output, ndim, n_gqa, n_expert)
+    t = gguf_rules.tensor_type(mix, name, n_cols, n_layers, has_output, ndim, n_gqa, n_expert,
+                               has_imatrix)
     if t == "f16":
         raise ValueError(f"{name}: row length {n_cols} is not a multiple of 32; no GGUF block type "
                          "fits (llama.cpp would store it as F16, which lessmem does not encode)")

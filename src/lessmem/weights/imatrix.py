@@ -639,7 +639,7 @@ def export_gguf_imatrix(src, out, mix: str, imatrix, progress: bool = True, imat
     from .gguf_export import Source
 
     im = as_imatrix(imatrix)
-    source = Source(src, mix)
+    source = Source(src, mix, has_imatrix=True)
     quantized = [(n, shape[-1]) for n, (shape, typ) in source.plan.items() if typ != "f32"]
     missing = check_columns(im, quantized)  # every column count checked before the file opens
     used = sum(1 for n, k in quantized if im.for_tensor(n, k) is not None)
