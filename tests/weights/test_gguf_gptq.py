@@ -243,3 +243,18 @@ def test_cli_gguf_methods_checked(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expect in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "q.gguf").exists()
+
+
+def test_awq_fold_keeps_a_skipped_linear_exact():
+    """A linear left float by ``skip`` reads the norm AWQ folds its scale into: its columns are
+    scaled too, so its output is unchanged (norm weight x its columns, as before)."""
+    m = _model()
+    before = m.model.layers[0].input_layernorm.weight.detach().clone()[None, :] * \
+        m.model.layers[0].self_attn.k_proj.weight.detach().clone()
+    cfg = lessmem.GGUFConfig("Q8_0", awq=True, n_samples=4, seq_len=32, n_grid=3, skip=("*k_proj",))
+    rep = lessmem.quantize_(m, cfg, calibration=_ids(4, 32), progress=False)
+    layer = m.model.layers[0]
+    assert type(layer.self_attn.k_proj) is torch.nn.Linear and "input_layernorm" in rep["layers"][0]
+    assert not torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    after = layer.input_layernorm.weight.detach()[None, :] * layer.self_attn.k_proj.weight.detach()
+    assert torch.allclose(after, before, rtol=1e-5, atol=1e-7)

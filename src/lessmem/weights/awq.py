@@ -72,7 +72,10 @@ def search_scale(block, group, linears: dict, cfgs: dict, x: torch.Tensor, kwarg
 
 
 def fold_scale(block, group, linears: dict, s: torch.Tensor) -> None:
-    """prev output channels ÷ s, each linear's input columns × s (exact in float)."""
+    """prev output channels ÷ s, each linear's input columns × s (exact in float): those of
+    ``linears`` and every other linear of the group (one left float by a skip pattern reads
+    the same ``prev`` and must be scaled too, or its input changes)."""
+    linears = {**{n: get_module(block, n) for n in group.linears if _has(block, n)}, **linears}
     prev = get_module(block, group.prev)
     with torch.no_grad():
         if isinstance(prev, nn.Linear):
@@ -85,6 +88,14 @@ def fold_scale(block, group, linears: dict, s: torch.Tensor) -> None:
                 prev.bias.div_(s.to(prev.bias.dtype))
         for m in linears.values():
             m.weight.mul_(s.view(1, -1).to(m.weight.dtype))
+
+
+def _has(block, path: str) -> bool:
+    try:
+        get_module(block, path)
+    except AttributeError:
+        return False
+    return True
 
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int, symmetric: bool,
