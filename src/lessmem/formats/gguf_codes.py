@@ -53,11 +53,12 @@ class Grid(NamedTuple):
     qmax: int  # largest code
     levels: np.ndarray | None = None  # the IQ4 types' value table (u -> level), else None
 
-    def decode(self, u: np.ndarray) -> np.ndarray:
-        """The values codes ``u`` (shaped like ``d``) decode to, float32 as the decoders compute them."""
+    def decode(self, u: np.ndarray, dtype=F32) -> np.ndarray:
+        """The values codes ``u`` (shaped like ``d``) decode to, computed in ``dtype`` (float32:
+        exactly as the decoders compute them)."""
         u = np.asarray(u)
         q = self.levels[u] if self.levels is not None else u.astype(F32) - F32(self.off)
-        return (self.d * q - self.m).astype(F32)
+        return self.d.astype(dtype) * q.astype(dtype) - self.m.astype(dtype)
 
 
 class _Spec(NamedTuple):

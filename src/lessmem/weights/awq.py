@@ -71,11 +71,10 @@ def search_scale(block, group, linears: dict, cfgs: dict, x: torch.Tensor, kwarg
     return best_s, best, loss0
 
 
-def fold_scale(block, group, linears: dict, s: torch.Tensor) -> None:
-    """prev output channels ÷ s, each linear's input columns × s (exact in float): those of
-    ``linears`` and every other linear of the group (one left float by a skip pattern reads
-    the same ``prev`` and must be scaled too, or its input changes)."""
-    linears = {**{n: get_module(block, n) for n in group.linears if _has(block, n)}, **linears}
+def fold_scale(block, group, s: torch.Tensor) -> None:
+    """prev output channels ÷ s, the input columns of every linear of the group × s (exact in
+    float; one left float by a skip pattern reads the same ``prev``, so it is scaled too)."""
+    linears = [get_module(block, n) for n in group.linears]
     prev = get_module(block, group.prev)
     with torch.no_grad():
         if isinstance(prev, nn.Linear):
@@ -86,16 +85,8 @@ def fold_scale(block, group, linears: dict, s: torch.Tensor) -> None:
             prev.weight.div_(s.to(prev.weight.dtype))
             if getattr(prev, "bias", None) is not None:
                 prev.bias.div_(s.to(prev.bias.dtype))
-        for m in linears.values():
+        for m in linears:
             m.weight.mul_(s.view(1, -1).to(m.weight.dtype))
-
-
-def _has(block, path: str) -> bool:
-    try:
-        get_module(block, path)
-    except AttributeError:
-        return False
-    return True
 
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int, symmetric: bool,

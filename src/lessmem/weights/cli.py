@@ -53,8 +53,11 @@ from lessmem._cli_model import check_model, peek_model
 from lessmem._console import publish
 
 HELP = "quantize a model's weights (RTN, HQQ, GPTQ, AWQ, SmoothQuant, FP8, GGUF)"
-METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8", "imatrix", "awq+gptq")
-CHECKPOINT_METHODS = METHODS[:6]  # --format lessmem; imatrix and awq+gptq are for --format gguf
+# methods only --format gguf takes, and why
+GGUF_ONLY = {"imatrix": "an importance matrix steers llama.cpp's GGUF quantizers",
+             "awq+gptq": "AWQ's scales, then GPTQ inside llama.cpp's blocks"}
+METHODS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "fp8", *GGUF_ONLY)
+CHECKPOINT_METHODS = tuple(m for m in METHODS if m not in GGUF_ONLY)  # --format lessmem
 # --format gguf: llama.cpp's quantizer, + imatrix, + GPTQ / AWQ / both inside the blocks
 GGUF_METHODS = ("rtn", "imatrix", "gptq", "awq", "awq+gptq")
 GGUF_CALIBRATED = GGUF_METHODS[2:]  # a calibration pass over the float model (solvers.solve_gguf)
@@ -84,7 +87,7 @@ def _group_size(text: str) -> int | None:
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, HF dir, .gguf file or hub id")
     p.add_argument("--method", type=T.choice(METHODS), default="rtn",
-                   help=f"one of {', '.join(METHODS)} (imatrix, awq+gptq: with --format gguf)")
+                   help=f"one of {', '.join(METHODS)} ({', '.join(GGUF_ONLY)}: with --format gguf)")
     p.add_argument("--bits", type=T.integer(1, 64), default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=_group_size, default=None,
                    help=f"32, 64, 128, 256 or 'none' (per-channel); default {DEFAULT_GROUP}, with "
@@ -168,11 +171,8 @@ def _check_groups(args, config, shape: dict | None) -> None:
 
 
 def _method_allowed(method: str) -> str:
-    if method == "imatrix":
-        return ("needs --format gguf (an importance matrix steers llama.cpp's GGUF quantizers); "
-                f"allowed with --format lessmem: {', '.join(CHECKPOINT_METHODS)}")
-    if method == "awq+gptq":
-        return ("needs --format gguf (AWQ's scales, then GPTQ inside llama.cpp's blocks); "
+    if method in GGUF_ONLY:
+        return (f"needs --format gguf ({GGUF_ONLY[method]}); "
                 f"allowed with --format lessmem: {', '.join(CHECKPOINT_METHODS)}")
     return f"allowed: {', '.join(METHODS)}"
 

@@ -55,7 +55,7 @@ def gguf_plan(model: nn.Module, config, filter_fn=None) -> list[tuple[str, nn.Mo
     heads = int(getattr(model.config, "num_attention_heads", 1) or 1)
     n_gqa = heads // int(getattr(model.config, "num_key_value_heads", None) or heads)
     # an importance matrix, given or measured by the calibrated pass: llama.cpp's choices with one
-    weighted = getattr(config, "imatrix", None) is not None or getattr(config, "needs_calibration", False)
+    weighted = config.imatrix is not None or config.needs_calibration
     done = set()
     plan = []
     for name, mod in model.named_modules():

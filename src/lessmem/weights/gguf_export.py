@@ -93,11 +93,12 @@ class Source:
                                                     self.has_output, ndim=len(shape), n_gqa=self.n_gqa,
                                                     has_imatrix=has_imatrix))
 
-    def write(self, out, encode=None, add_keys=None, progress: bool = True, floats=None) -> dict:
+    def write(self, out, encode=None, add_keys=None, progress: bool = True, given=None) -> dict:
         """Write ``out``: the metadata copied (``add_keys(writer)`` may change it), every tensor
         decoded to float32 and written in its planned type, ``encode(name, w, typ)`` giving the
-        raw bytes (default ``quantize_gguf(w, typ)``), ``floats[name]`` (float32, the
-        tensor's shape) replacing an F32 tensor's values. Returns the export report."""
+        raw bytes (default ``quantize_gguf(w, typ)``); a tensor in ``given`` is written as
+        that array instead (float32 values for an F32 tensor, raw rows for a block type), its
+        source never decoded. Returns the export report."""
         import gguf
 
         out = Path(out)
@@ -111,16 +112,16 @@ class Source:
         tensors = self.reader.tensors
         for i, t in enumerate(tensors):
             shape, typ = self.plan[t.name]
-            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            data = given.get(t.name) if given else None
+            if data is None:
+                w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+                data = w if typ == "f32" else quantize_gguf(w, typ) if encode is None else encode(t.name, w, typ)
             if typ == "f32":
-                w = floats.get(t.name, w) if floats else w
-                writer.add_tensor(t.name, w)
-                nbytes += w.nbytes
+                writer.add_tensor(t.name, data)
             else:
-                raw = quantize_gguf(w, typ) if encode is None else encode(t.name, w, typ)
-                writer.add_tensor(t.name, raw,  # byte shape [rows, row_bytes]
+                writer.add_tensor(t.name, data,  # byte shape [rows, row_bytes]
                                   raw_dtype=gguf.GGMLQuantizationType(gguf_type(typ).ggml_id))
-                nbytes += raw.nbytes
+            nbytes += data.nbytes
             types[t.name] = typ
             if progress and (i % 20 == 0 or i == len(tensors) - 1):
                 print(f"[{i + 1}/{len(tensors)}] {t.name}: {typ}", file=sys.stderr, flush=True)
@@ -157,7 +158,7 @@ def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool
     cfg = model.config
     heads = {"self_attn.q_proj": cfg.num_attention_heads,
              "self_attn.k_proj": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
-    encoded = {}
+    given = {}  # the linears' rows, and the F32 tensors from the model
     for name, mod in model.named_modules():
         if not isinstance(mod, GGUFLinear):
             continue
@@ -171,9 +172,8 @@ def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool
         sub = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
         if source.arch in _PERMUTED and sub in heads:
             rows = permute_rows(rows, heads[sub], inverse=False)
-        encoded[gname] = rows.numpy()
+        given[gname] = rows.numpy()
     params = dict(model.named_parameters())
-    floats = {}
     for gname, (shape, typ) in source.plan.items():
         hf = hf_name(gname)
         if typ != "f32" or hf not in params or hf.endswith(("q_proj.bias", "k_proj.bias")):
@@ -181,9 +181,8 @@ def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool
         v = params[hf].detach().float().cpu().numpy()
         if list(v.shape) != list(shape):
             raise ValueError(f"{hf} has shape {list(v.shape)}; {gname} in {source.path.name} has {shape}")
-        floats[gname] = v
-    return source.write(out, encode=lambda name, w, typ: encoded[name] if name in encoded
-                        else quantize_gguf(w, typ), add_keys=add_keys, progress=progress, floats=floats)
+        given[gname] = v
+    return source.write(out, add_keys=add_keys, progress=progress, given=given)
 
 
 def write_model_gguf(model, out, qtype: str = "q8_0", tokenizer_model: str | None = None) -> Path:

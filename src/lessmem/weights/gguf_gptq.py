@@ -91,13 +91,11 @@ def gptq_gguf(w: torch.Tensor, h: torch.Tensor, qtype, damp: float = 0.01,
             raw = quantize_gguf(W1[:, b0:b0 + bs].float().numpy(), t, imatrix=importance[col0:col0 + bs])
             g = grid(raw, t)
             u = codes(raw, t)
-            d, m = g.d.astype(np.float64), g.m.astype(np.float64)
             for j in range(bs):
                 i = b0 + j
-                col = W1[:, i]
-                u[:, j] = nearest_codes(col.float().numpy(), _column(g, j), u[:, j])
-                lv = g.levels[u[:, j]] if g.levels is not None else u[:, j].astype(np.float64) - g.off
-                q = torch.from_numpy(d[:, j] * lv.astype(np.float64) - m[:, j])
+                col, gj = W1[:, i], _column(g, j)
+                u[:, j] = nearest_codes(col.float().numpy(), gj, u[:, j])
+                q = torch.from_numpy(gj.decode(u[:, j], np.float64))
                 e = (col - q) / U1[i, i]
                 W1[:, i:] -= e[:, None] * U1[i:i + 1, i:]
                 Err[:, i] = e

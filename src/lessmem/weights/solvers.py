@@ -76,37 +76,55 @@ def _foldable(block, g, lins: dict, k: int) -> bool:
         not hasattr(prev, "out_features") or prev.out_features == k)
 
 
-def _gguf_fake_quant(types: dict, x_sq: torch.Tensor):
-    """AWQ's Q for GGUF: the linear's block type, weighted as llama.cpp would weigh the
-    scaled input (importance mean((x / s)²))."""
+def _gguf_fake_quant(types: dict, x: torch.Tensor):
+    """AWQ's Q for GGUF, for a group whose input is ``x``: the linear's block type, weighted as
+    llama.cpp would weigh the scaled input (importance mean((x / s)²))."""
+    x_sq = x.reshape(-1, x.shape[-1]).double().pow(2).mean(0)
+
     def q(n, ws, s):
         raw = quantize_gguf(ws.detach().float(), types[n], imatrix=(x_sq / (s * s)).float())
         return dequantize_gguf(raw, types[n], tuple(ws.shape))
     return q
 
 
+def _search_and_fold(block, arch: Arch, hidden, kwargs, cfgs: dict, config, quantizer_for=None):
+    """AWQ's first phase, on the float block: each scaling group's scale searched
+    (``awq.search_scale`` over ``config.n_grid`` exponents, on the first
+    ``config.search_samples`` windows; Q: ``quantizer_for(x)`` or RTN with ``cfgs``) and
+    folded into its ``prev``. Returns (info, groups): ``groups`` one ``(linears, x, s)`` per
+    group with linears to quantize, ``x`` its input before the fold [n, T, K], ``s`` the
+    folded scale (None: the group does not fold)."""
+    mods = {n: get_module(block, n) for g in arch.groups for n in g.linears if n in cfgs}
+    # inputs of each group's first linear, full windows (the inspected modules need sequences)
+    xs = _group_inputs(block, arch, hidden, kwargs)
+    info, groups = {}, []
+    for g in arch.groups:
+        lins = {n: mods[n] for n in g.linears if n in mods}
+        if not lins:
+            continue
+        x, s = xs[g.linears[0]], None
+        if _foldable(block, g, lins, x.shape[-1]):
+            xs_search = x[:config.search_samples] if config.search_samples else x
+            s, best, loss0 = search_scale(block, g, lins, {n: cfgs[n] for n in lins}, xs_search, kwargs,
+                                          config.n_grid, quantizer=quantizer_for(x) if quantizer_for else None)
+            fold_scale(block, g, s)
+            info[g.prev] = {"loss_alpha0": loss0, "loss_best": best}
+        groups.append((lins, x, s))
+    return info, groups
+
+
 def solve_gguf(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
     """``GGUFConfig(gptq=True and/or awq=True)``: ``cfgs`` maps each linear to its GGUF type.
 
-    ``awq``: each scaling group's per-channel scale searched first (``awq.search_scale`` with
+    ``awq``: each scaling group's per-channel scale searched first (``_search_and_fold`` with
     the group's block types as Q), folded into the norm / preceding linear; then, stage by
     stage (attention then MLP, on inputs through the already-encoded layers), each linear
     encoded with its measured importance (diag H / 2): by GPTQ inside the blocks
     (``gptq``) or by llama.cpp's weighted quantizer."""
     info: dict = {}
     if config.awq:
-        mods = {n: get_module(block, n) for g in arch.groups for n in g.linears if n in cfgs}
-        xs = _group_inputs(block, arch, hidden, kwargs)
-        for g in arch.groups:
-            lins, x = {n: mods[n] for n in g.linears if n in mods}, xs[g.linears[0]]
-            if not lins or not _foldable(block, g, lins, x.shape[-1]):
-                continue
-            x_sq = x.reshape(-1, x.shape[-1]).double().pow(2).mean(0)
-            xs_search = x[:config.search_samples] if config.search_samples else x
-            s, best, loss0 = search_scale(block, g, lins, {}, xs_search, kwargs, config.n_grid,
-                                          quantizer=_gguf_fake_quant(cfgs, x_sq))
-            fold_scale(block, g, lins, s)
-            info[g.prev] = {"loss_alpha0": loss0, "loss_best": best}
+        info, _ = _search_and_fold(block, arch, hidden, kwargs, cfgs, config,
+                                   quantizer_for=lambda x: _gguf_fake_quant(cfgs, x))
     for stage in arch.stages:
         mods = {n: get_module(block, n) for n in stage if n in cfgs}
         if not mods:
@@ -124,26 +142,12 @@ def solve_gguf(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
 
 
 def solve_awq(block, arch: Arch, hidden, kwargs, cfgs: dict, config, keep_tokens: int = 512) -> dict:
-    mods = {n: get_module(block, n) for g in arch.groups for n in g.linears if n in cfgs}
-    # inputs of each group's first linear, full windows (the inspected modules need sequences)
-    xs = _group_inputs(block, arch, hidden, kwargs)
-    info, kept = {}, {}
-    for g in arch.groups:  # phase 1: search and fold every group's scale (float model)
-        lins = {n: mods[n] for n in g.linears if n in mods}
-        if not lins:
-            continue
-        x = xs[g.linears[0]]  # [n, T, K]
-        k = x.shape[-1]
-        if _foldable(block, g, lins, k):
-            xs_search = x[:config.search_samples] if config.search_samples else x
-            s, best, loss0 = search_scale(block, g, lins, {n: cfgs[n] for n in lins},
-                                          xs_search, kwargs, config.n_grid)
-            fold_scale(block, g, lins, s)
-            x = x / s  # the group's input as the folded model now sees it
-            info[g.prev] = {"loss_alpha0": loss0, "loss_best": best}
-        xt = x.reshape(-1, k)
-        kept[g.prev] = (lins, xt[torch.linspace(0, xt.shape[0] - 1, min(keep_tokens, xt.shape[0])).long()])
-    for lins, xt in kept.values():  # phase 2: clipping search, then quantize
+    info, groups = _search_and_fold(block, arch, hidden, kwargs, cfgs, config)  # phase 1
+    kept = []
+    for lins, x, s in groups:
+        xt = (x if s is None else x / s).reshape(-1, x.shape[-1])  # the input the folded model sees
+        kept.append((lins, xt[torch.linspace(0, xt.shape[0] - 1, min(keep_tokens, xt.shape[0])).long()]))
+    for lins, xt in kept:  # phase 2: clipping search, then quantize
         for n, lin in lins.items():
             c = cfgs[n]
             clip = None
@@ -166,7 +170,7 @@ def smooth_block(block, arch: Arch, hidden, kwargs, cfgs: dict, alpha: float) ->
             continue
         xmax = torch.stack([obs[n].abs_max for n in lins]).amax(0)
         s = smooth_scale(xmax, [m.weight for m in lins.values()], alpha)
-        fold_scale(block, g, lins, s)
+        fold_scale(block, g, s)
         info[g.prev] = {"act_absmax_before": float(xmax.max()), "act_absmax_after": float((xmax / s).max())}
     return info
 
