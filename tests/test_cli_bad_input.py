@@ -82,6 +82,7 @@ Q = "quantize", "--out", "{T}/q"  # quantize's required --out
 QG = "quantize", "--out", "{T}/q.gguf"  # ... with --format gguf
 M = "--model", "{D}/model"
 S = "serve", "{D}/model"  # serve's MODEL
+A = "kv-allocate", *M, "--bits", "3", "--out", "{T}/kv.json"  # kv-allocate's required options
 # (command line, the option the one-line error must name); {D}: inputs, {T}: the test's tmp dir
 ROWS = [
     # ---------------------------------------------------------------- plan
@@ -385,6 +386,28 @@ ROWS = [
     ((*S, "--port", "http"), "--port"),
     ((*S, "--threads", "0"), "--threads"),
     ((*S, "--threads", "x"), "--threads"),
+    # ---------------------------------------------------------------- kv-allocate
+    (("kv-allocate", *M, "--out", "{T}/kv.json"), "--bits"),  # required
+    ((*A, "--bits", "x"), "--bits"),
+    ((*A, "--bits", "1.5"), "--bits"),  # below the lowest of --choices
+    ((*A, "--bits", "99"), "--bits"),
+    (("kv-allocate", *M, "--bits", "3"), "--out"),  # required
+    (("kv-allocate", *M, "--bits", "3", "--out", "{T}/kv.txt"), "--out"),
+    (("kv-allocate", *M, "--bits", "3", "--out", "/dev/null/kv.json"), "--out"),
+    ((*A, "--context", "0"), "--context"),
+    ((*A, "--layout", "best-9"), "--layout"),
+    ((*A, "--choices", "5"), "--choices"),  # best-3's values are Lloyd-Max: 2, 3 or 4 bits
+    ((*A, "--choices", "1,2"), "--choices"),
+    ((*A, "--sensitivity", "{D}/model/config.json"), "--sensitivity"),  # JSON, not a table
+    ((*A, "--sensitivity", "{D}/plain"), "--sensitivity"),
+    ((*A, "--text", "nope"), "--text"),
+    ((*A, "--windows", "0"), "--windows"),
+    ((*A, "--window-len", "8"), "--window-len"),
+    ((*A, "--chunk", "0"), "--chunk"),
+    ((*A, "--threads", "0"), "--threads"),
+    ((*A, "--weights", "half"), "--weights"),
+    ((*A, "--no-progress=1"), "--no-progress"),
+    (("kv-allocate", "--model", "no-such-model", "--bits", "3", "--out", "{T}/kv.json"), "--model"),
     # ---------------------------------------------------------------- presets and the top level
     (("presets", "--head-dim", "12"), "--head-dim"),
     (("presets", "--head-dim", "0"), "--head-dim"),
@@ -419,7 +442,8 @@ def _assert_clean(rc, err, row, option):
     lines = err.strip().splitlines()
     assert rc == 2, (row, rc, err)
     assert len(lines) == 1 and "Traceback" not in err, (row, err)
-    prog = "lessmem" if row[0] not in ("plan", "explore", "eval", "generate", "quantize", "presets", "serve") \
+    prog = "lessmem" if row[0] not in ("plan", "explore", "eval", "generate", "quantize", "presets", "serve",
+                                        "kv-allocate") \
         else f"lessmem {row[0]}"
     assert lines[0].startswith(f"{prog}: error: "), (row, err)
     assert option in lines[0], (row, option, err)
@@ -500,6 +524,9 @@ FUZZ = {  # command -> (fixed arguments, options whose values are fuzzed)
     "quantize": (("--out", "{T}/q", *M), ("--method", "--bits", "--group-size", "--calibration", "--n-samples",
                                           "--seq-len", "--alpha", "--iters", "--lp-norm", "--act", "--format", "--type")),
     "presets": ((), ("--head-dim",)),
+    "kv-allocate": (("--bits", "3", "--out", "{T}/kv.json", *M), ("--bits", "--context", "--layout", "--choices",
+                                                                 "--sensitivity", "--windows", "--window-len",
+                                                                 "--chunk", "--threads")),
     "serve": (("{D}/model",), ("--kv", "--kv-budget", "--offload", "--max-running", "--chunk-tokens", "--preempt",
                                "--model-name", "--port", "--threads")),
 }
@@ -594,6 +621,7 @@ def test_real_bugs_keep_their_traceback(monkeypatch, capsys):
 FLAGS = {"plan": ("--json", "--list", "--keep-embeddings", "--no-prefetch"), "explore": ("--json", "--list-tensors"),
          "eval": ("--json", "--full", "--no-progress", "--no-prefetch"), "generate": ("--sample", "--raw", "--no-prefetch"),
          "quantize": ("--json", "--symmetric", "--group-fallback"), "presets": ("--json",),
+         "kv-allocate": ("--no-progress",),
          "serve": ("--no-prefix-cache",)}
 
 

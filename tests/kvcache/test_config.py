@@ -65,8 +65,10 @@ def test_layer_overrides_and_skips():
     assert cfg.for_layer(1) == (NONE, NONE)
     assert cfg.for_layer(2) == (cfg.keys, cfg.values)
     assert KVConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="layer_overrides cannot be described to the planner"):
+    with pytest.raises(ValueError, match="needs num_layers"):
         cfg.to_plan()
+    with pytest.raises(ValueError, match="change more than the bits .* cannot be described to the planner"):
+        cfg.to_plan(num_layers=3)  # int8 overrides a uint4 base: another zero point, not only bits
 
 
 def test_mixed_quantized_and_none_sides_are_refused():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lessmem.formats import PerGroup
+from lessmem.kvcache import PRESETS, KVTensorConfig
 from lessmem.models import tiny_random
 from lessmem.serve import Engine, EngineConfig, SamplingParams
 
@@ -40,7 +42,12 @@ def alone(model, ps, **cfg):
     return [run(model, [p], **cfg)[0][0] for p in ps]
 
 
-@pytest.mark.parametrize("kv", ["int4", "best-4", "best-2", "fp16"])
+# per-layer bits (lessmem.kvcache.allocate's kind of config): layer 1 at 4/3 bits, layer 0 at best-2's 3/2
+MIXED = PRESETS["best-2"].replace(layer_overrides=(
+    (1, KVTensorConfig("uint", 4, PerGroup(64, axis=-2)), KVTensorConfig("uint", 3)),))
+
+
+@pytest.mark.parametrize("kv", ["int4", "best-4", "best-2", "fp16", MIXED], ids=["int4", "best-4", "best-2", "fp16", "mixed"])
 def test_batched_outputs_equal_each_request_alone(model, kv):
     ps = prompts(5)
     batched, m = run(model, ps, kv=kv)

@@ -30,6 +30,7 @@ import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -160,8 +161,14 @@ def resolve_config(config) -> CacheSpec:
         presets = lessmem_presets()
         if name in presets:
             return CacheSpec(name, _lessmem_factory(name), "lessmem", _to_dict(presets[name]), name)
+        if name.endswith(".json"):  # a KVConfig saved with to_dict (e.g. a per-layer allocation)
+            from lessmem.kvcache.presets import load_config
+
+            cfg = load_config(name)
+            return CacheSpec(Path(name).stem, _lessmem_factory(cfg), "lessmem", cfg.to_dict(), cfg)
         allowed = [BASELINE, *available_peers(), *presets]
-        raise ValueError(f"unknown KV config {name!r}; allowed: {', '.join(allowed)}")
+        raise ValueError(f"unknown KV config {name!r}; allowed: {', '.join(allowed)}, or a .json "
+                         "file written from KVConfig.to_dict()")
     if hasattr(config, "to_dict") and type(config).__name__ == "KVConfig":
         d = config.to_dict()
         same = [n for n, p in lessmem_presets().items() if p == config]

@@ -284,12 +284,14 @@ class KVConfig:
         vb = sum(v.effective_bits(head_dim) for _, v in pairs) / len(pairs)
         return kb, vb
 
-    def to_plan(self, name: str = "lessmem", full_bytes: float = 2.0):
+    def to_plan(self, name: str = "lessmem", full_bytes: float = 2.0, num_layers: int | None = None):
         """The planner's torch-free description (``lessmem.base.kvprecision.KVPrecision``).
 
         ``full_bytes``: bytes per full-precision element (2 for fp16 windows; the model's
-        element size for ``window_dtype="model"``). Per-layer overrides are not
-        representable there and raise ValueError.
+        element size for ``window_dtype="model"``). Per-layer overrides that change only
+        the bits (same granularity and zero point as the base side, as
+        :func:`lessmem.kvcache.allocate.allocate` writes) are described by their mean bits
+        over ``num_layers`` layers, which is then required; other overrides raise ValueError.
 
         Example:
             >>> from lessmem.kvcache import PRESETS
@@ -299,9 +301,9 @@ class KVConfig:
         """
         from ..base.kvprecision import KVPrecision
 
+        mean_bits = None
         if self.layer_overrides:
-            raise ValueError("to_plan: layer_overrides cannot be described to the planner; "
-                             "allowed: configs without layer_overrides")
+            mean_bits = self._mean_override_bits(num_layers)
         if not self.quantized:
             return KVPrecision(name, 8 * full_bytes, 8 * full_bytes, full_bytes=full_bytes,
                                quality="reference")
@@ -312,9 +314,33 @@ class KVConfig:
 
         kb, ktg, kdg, ks, kz = side(self.keys)
         vb, vtg, vdg, vs, vz = side(self.values)
+        if mean_bits is not None:
+            kb, vb = mean_bits
         return KVPrecision(name, kb, vb, ktg, kdg, vtg, vdg, ks, vs, kz, vz, self.window, self.sinks,
                            self.block_size, full_bytes, len(set(self.skip_layers)),
                            self.rotate_keys or self.rotate_values)
+
+    def _mean_override_bits(self, num_layers) -> tuple[float, float]:
+        """Mean (key, value) code bits over the quantized layers, for ``to_plan``."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
+            raise ValueError(f"to_plan: a config with layer_overrides needs num_layers (the model's "
+                             f"layer count); got {num_layers!r}")
+        over = [i for i, _, _ in self.layer_overrides if i >= num_layers]
+        if over:
+            raise ValueError(f"to_plan: layer_overrides name layer {over[0]}; allowed: layers 0 to "
+                             f"{num_layers - 1} (num_layers={num_layers})")
+        pairs = [self.for_layer(i) for i in range(num_layers) if i not in self.skip_layers]
+        for _, k, v in self.layer_overrides:
+            for t, base in ((k, self.keys), (v, self.values)):
+                if (t.group_shape(64) != base.group_shape(64) or t.has_zero_point != base.has_zero_point
+                        or not t.quantized):
+                    raise ValueError("to_plan: layer_overrides that change more than the bits "
+                                     f"({t.format} {t.granularity!r} against {base.format} "
+                                     f"{base.granularity!r}) cannot be described to the planner; "
+                                     "allowed: overrides of the bits only")
+        if not pairs:
+            return float(self.keys.bits), float(self.values.bits)
+        return (sum(k.bits for k, _ in pairs) / len(pairs), sum(v.bits for _, v in pairs) / len(pairs))
 
     def replace(self, **changes) -> KVConfig:
         return replace(self, **changes)

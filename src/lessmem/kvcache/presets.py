@@ -12,7 +12,7 @@ Example:
     >>> resolve("int9")
     Traceback (most recent call last):
     ...
-    ValueError: unknown KV preset 'int9'; allowed: best-2, best-3, best-4, fp16, fp8, int4, int4-rot, int8, kivi-2, kivi-4
+    ValueError: unknown KV preset 'int9'; allowed: best-2, best-3, best-4, fp16, fp8, int4, int4-rot, int8, kivi-2, kivi-4, or a .json file written from KVConfig.to_dict()
 """
 
 from __future__ import annotations
@@ -67,15 +67,40 @@ DESCRIPTIONS: dict[str, str] = {
 }
 
 
+def load_config(path) -> KVConfig:
+    """A KVConfig from a JSON file holding ``KVConfig.to_dict()`` (e.g. one
+    :func:`lessmem.kvcache.allocate.allocate` made); ValueError naming the file otherwise."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"KV config file {str(path)!r} does not exist; allowed: a preset name or "
+                         "an existing .json file written from KVConfig.to_dict()")
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"KV config file {str(path)!r}: not readable JSON ({exc}); allowed: a "
+                         "file written from KVConfig.to_dict()") from None
+    try:
+        return KVConfig.from_dict(d)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"KV config file {str(path)!r}: {exc}") from None
+
+
 def resolve(config) -> KVConfig:
-    """A :class:`KVConfig` from a preset name or a KVConfig (returned as is)."""
+    """A :class:`KVConfig` from a preset name, a ``.json`` file holding ``KVConfig.to_dict()``
+    or a KVConfig (returned as is)."""
     if isinstance(config, KVConfig):
         return config
     names = ", ".join(sorted(PRESETS))
     if isinstance(config, str):
         if config in PRESETS:
             return PRESETS[config]
-        raise ValueError(f"unknown KV preset {config!r}; allowed: {names}")
+        if config.endswith(".json"):
+            return load_config(config)
+        raise ValueError(f"unknown KV preset {config!r}; allowed: {names}, or a .json file "
+                         "written from KVConfig.to_dict()")
     hint = "; a dict: use KVConfig.from_dict(d)" if isinstance(config, dict) else ""
     raise ConfigTypeError(f"KV config {config!r} (a {type(config).__name__}){hint}; allowed: a "
                           f"preset name ({names}) or a KVConfig")
