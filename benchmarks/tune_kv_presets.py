@@ -93,18 +93,61 @@ class _Dims:
     layers, kv_heads, head_dim = 30, 3, 64
 
 
+SENSITIVITY = ROOT / "results" / "kv_layer_sensitivity.json"
+KV_CONFIGS = ROOT / "results" / "kv_configs"
+# mixed: per-layer bits from the measured sensitivity (lessmem.kvcache.allocate) on the
+# best-3 layout, at all-in budgets (window and sinks counted at the model's 8k context)
+MIXED_BUDGETS = (3.5, 3.0, 2.5)
+
+
+def all_in_bits(cfg, context=8192) -> float:
+    from lessmem.kvcache.allocate import all_in_bits as bits
+
+    return bits(cfg, _Dims.layers, _Dims.kv_heads, _Dims.head_dim, context)
+
+
+def mixed_candidates(path=SENSITIVITY) -> dict:
+    """One allocation per budget: the largest mean bits whose all-in bits at 8k fit it."""
+    from lessmem.kvcache.allocate import Sensitivity, allocate_all_in
+
+    sens = Sensitivity.from_dict(json.loads(Path(path).read_text())["sensitivity"])
+    return {f"mixed-{b}": allocate_all_in(sens, b, kv_heads=_Dims.kv_heads, head_dim=_Dims.head_dim,
+                                          context=8192) for b in MIXED_BUDGETS}
+
+
+def measure(args) -> int:
+    """Write the per-layer sensitivity of the best-3 layout (``--sensitivity``)."""
+    import lessmem
+    from lessmem.kvcache.allocate import measure_sensitivity
+
+    model, tok = lessmem.load("smollm2-135m")
+    t0 = time.time()
+    sens = measure_sensitivity(model, tok, TRAIN.read_text(), PRESETS["best-3"], (2, 3, 4),
+                               windows=args.windows, window_len=args.window_len, chunk=args.chunk)
+    out = {"text": TRAIN.name, "model": "smollm2-135m", "seconds": time.time() - t0,
+           "sensitivity": sens.to_dict()}
+    SENSITIVITY.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {SENSITIVITY} in {out['seconds']:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--window-len", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--which", default="4,2,presets",
-                   help="candidate groups, comma-separated: 4, 2, 35, 25, presets")
+                   help="candidate groups, comma-separated: 4, 2, 35, 25, mixed, presets")
+    p.add_argument("--sensitivity", action="store_true",
+                   help=f"measure each layer's cost per side and bits into {SENSITIVITY.name} "
+                        "(the input of --which mixed) and stop")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tuning.json")
     args = p.parse_args(argv)
-    bad = [g for g in args.which.split(",") if g not in ("4", "2", "35", "25", "presets")]
+    bad = [g for g in args.which.split(",") if g not in ("4", "2", "35", "25", "mixed", "presets")]
     if bad:
-        p.error(f"--which {','.join(bad)}; allowed: 4, 2, 35, 25, presets (comma-separated)")
+        p.error(f"--which {','.join(bad)}; allowed: 4, 2, 35, 25, mixed, presets (comma-separated)")
+    if args.sensitivity:
+        return measure(args)
     import lessmem
     from lessmem.eval.caches import CacheSpec
     from lessmem.eval.perplexity import evaluate
@@ -114,11 +157,15 @@ def main(argv=None) -> int:
     model, tok = lessmem.load("smollm2-135m")
     text = TRAIN.read_text()
     groups = {"4": CANDIDATES_4, "2": CANDIDATES_2, "35": CANDIDATES_35, "25": CANDIDATES_25,
+              "mixed": mixed_candidates() if "mixed" in args.which.split(",") else {},
               "presets": {f"preset:{n}": PRESETS[n] for n in ("int8", "fp8", "kivi-4", "kivi-2", "best-4",
                                                               "best-2")}}
     cands = {}
     for g in args.which.split(","):
         cands.update(groups[g])
+    for name, cfg in groups["mixed"].items():  # the allocations as files: --kv results/kv_configs/X.json
+        KV_CONFIGS.mkdir(parents=True, exist_ok=True)
+        (KV_CONFIGS / f"{name}.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
     def factory(kv):
         return lambda model_config: KVCache(model_config, kv)
 
@@ -132,9 +179,9 @@ def main(argv=None) -> int:
         cfg = cands.get(r["config"])
         row = {k: r.get(k) for k in ("config", "ppl", "delta_ppl_pct", "kld", "top1", "k_bits", "v_bits")}
         if cfg is not None:
-            kb, vb = cfg.effective_bits(64)
-            plan = kv_bytes(_Dims(), 4096, 1, cfg.to_plan(r["config"]))
-            plan8 = kv_bytes(_Dims(), 8192, 1, cfg.to_plan(r["config"]))
+            kb, vb = cfg.effective_bits(64, num_layers=_Dims.layers)
+            plan = kv_bytes(_Dims(), 4096, 1, cfg.to_plan(r["config"], num_layers=_Dims.layers))
+            plan8 = kv_bytes(_Dims(), 8192, 1, cfg.to_plan(r["config"], num_layers=_Dims.layers))
             row.update(bits_avg=(kb + vb) / 2, compression_4k=plan["fp16"] / plan["total"],
                        bits_4k=16 * plan["total"] / plan["fp16"], bits_8k=16 * plan8["total"] / plan8["fp16"],
                        kv=cfg.to_dict())

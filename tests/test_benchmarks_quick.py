@@ -228,6 +228,12 @@ def check_kv_quality(data: dict, fresh: bool) -> None:
         assert need(r, "kv_bytes", int, w) > 0
     for i, t in enumerate(need(data, "targets", list, "result")):  # the issue's quality targets
         assert need(t, "pass", bool, f"targets[{i}]"), f"target missed: {t}"
+    for i, t in enumerate(data.get("targets_below_4_bits", [])):  # issue 15's, not met yet: consistent
+        w = f"targets_below_4_bits[{i}]"
+        assert need(t, "config", str, w) in by_name, t
+        assert 0 < positive(t, "all_in_bits", w) <= t["max_bits"], t
+        assert t["delta_ppl_pct"] == by_name[t["config"]]["delta_ppl_pct"], t
+        assert need(t, "pass", bool, w) == (t["delta_ppl_pct"] <= t["max_delta_pct"]), t
     passkey = data.get("passkey", None)
     if fresh or passkey is not None:
         for name, r in need(need(data, "passkey", dict, "result"), "results", dict, "passkey").items():
@@ -490,6 +496,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "bench_weights_quality_wiki-byte-llama.json": "bench_weights_quality.py",
     "bench_kv_quality.json": "bench_kv_quality.py",
     "bench_kv_quality_16w.json": "bench_kv_quality.py",
+    "bench_kv_quality_mixed.json": "bench_kv_quality.py",  # per-layer bits (kv_configs/) vs best-3/best-2
     "bench_contention.json": "bench_contention.py",
     "bench_first_run.json": "bench_first_run.py",
     "serve.json": "bench_serve.py",
