@@ -67,3 +67,25 @@ def test_disk_advise_async_skips_blocks_just_read(tmp_path, monkeypatch):
     t.delete("k3")
     t.get("k2")
     assert "k3" not in t._recent and t._recent == {"k2"}
+
+
+def test_advise_done_never_misses_the_workers_wakeup():
+    """Many tickets waited for one by one: the worker marks each done under the waiter's lock,
+    so a waiter between its check and its wait is woken (before, this loop hung within a few
+    thousand tickets: the notify came while no one waited yet). Run in a child with a timeout,
+    so a regression fails instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    from lessmem.offload import fastread
+
+    if not fastread.available():
+        pytest.skip("no compiler here")
+    code = ("from lessmem.offload import fastread\n"
+            "for _ in range(20000):\n"
+            "    assert fastread.advise_done(fastread.advise_async([]), wait=True)\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("advise_done(wait=True) hung: a lost wakeup")
+    assert r.returncode == 0, r.stderr[-2000:]

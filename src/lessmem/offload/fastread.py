@@ -236,7 +236,10 @@ Advisor* get_advisor() {
         a->queue.pop_front();
         lk.unlock();
         advise_now(job.second);
-        a->done.store(job.first);
+        {  // under the lock: a waiter between its check and its wait would miss the notify
+          std::lock_guard<std::mutex> done_lock(a->mu);
+          a->done.store(job.first);
+        }
         a->cv.notify_all();
       }
     }).detach();
