@@ -95,20 +95,20 @@ class _Dims:
 
 SENSITIVITY = ROOT / "results" / "kv_layer_sensitivity.json"
 KV_CONFIGS = ROOT / "results" / "kv_configs"
-# mixed: per-layer bits from the measured sensitivity (lessmem.kvcache.allocate) on the
+# mixed: per-layer bits from the measured sensitivity (lessmem.eval.allocate) on the
 # best-3 layout, at all-in budgets (window and sinks counted at the model's 8k context)
 MIXED_BUDGETS = (3.5, 3.0, 2.5)
 
 
 def all_in_bits(cfg, context=8192) -> float:
-    from lessmem.kvcache.allocate import all_in_bits as bits
+    from lessmem.eval.allocate import all_in_bits as bits
 
     return bits(cfg, _Dims.layers, _Dims.kv_heads, _Dims.head_dim, context)
 
 
 def mixed_candidates(path=SENSITIVITY) -> dict:
     """One allocation per budget: the largest mean bits whose all-in bits at 8k fit it."""
-    from lessmem.kvcache.allocate import Sensitivity, allocate_all_in
+    from lessmem.eval.allocate import Sensitivity, allocate_all_in
 
     sens = Sensitivity.from_dict(json.loads(Path(path).read_text())["sensitivity"])
     return {f"mixed-{b}": allocate_all_in(sens, b, kv_heads=_Dims.kv_heads, head_dim=_Dims.head_dim,
@@ -118,7 +118,7 @@ def mixed_candidates(path=SENSITIVITY) -> dict:
 def measure(args) -> int:
     """Write the per-layer sensitivity of the best-3 layout (``--sensitivity``)."""
     import lessmem
-    from lessmem.kvcache.allocate import measure_sensitivity
+    from lessmem.eval.allocate import measure_sensitivity
 
     model, tok = lessmem.load("smollm2-135m")
     t0 = time.time()

@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("lessmem.eval.generate_cli", "generate text with a quantized KV cache"),
     "quantize": ("lessmem.weights.cli", "quantize a model's weights (RTN, GPTQ, AWQ, SmoothQuant, GGUF)"),
     "presets": ("lessmem.presets_cli", "list the named KV-cache presets"),
-    "kv-allocate": ("lessmem.kvcache.allocate_cli", "per-layer KV bits from measured sensitivity, under a "
+    "kv-allocate": ("lessmem.eval.allocate_cli", "per-layer KV bits from measured sensitivity, under a "
                     "bits budget (writes a --kv file)"),
     "serve": ("lessmem.serve.cli", "serve a model over an OpenAI-compatible HTTP API"),
 }

@@ -42,7 +42,7 @@ def alone(model, ps, **cfg):
     return [run(model, [p], **cfg)[0][0] for p in ps]
 
 
-# per-layer bits (lessmem.kvcache.allocate's kind of config): layer 1 at 4/3 bits, layer 0 at best-2's 3/2
+# per-layer bits (lessmem.eval.allocate's kind of config): layer 1 at 4/3 bits, layer 0 at best-2's 3/2
 MIXED = PRESETS["best-2"].replace(layer_overrides=(
     (1, KVTensorConfig("uint", 4, PerGroup(64, axis=-2)), KVTensorConfig("uint", 3)),))
 

@@ -290,7 +290,7 @@ class KVConfig:
         ``full_bytes``: bytes per full-precision element (2 for fp16 windows; the model's
         element size for ``window_dtype="model"``). Per-layer overrides that change only
         the bits (same granularity and zero point as the base side, as
-        :func:`lessmem.kvcache.allocate.allocate` writes) are described by their mean bits
+        :func:`lessmem.eval.allocate.allocate` writes) are described by their mean bits
         over ``num_layers`` layers, which is then required; other overrides raise ValueError.
 
         Example:

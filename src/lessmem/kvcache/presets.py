@@ -69,7 +69,7 @@ DESCRIPTIONS: dict[str, str] = {
 
 def load_config(path) -> KVConfig:
     """A KVConfig from a JSON file holding ``KVConfig.to_dict()`` (e.g. one
-    :func:`lessmem.kvcache.allocate.allocate` made); ValueError naming the file otherwise."""
+    :func:`lessmem.eval.allocate.allocate` made); ValueError naming the file otherwise."""
     import json
     from pathlib import Path
 

@@ -1,7 +1,7 @@
 """``lessmem kv-allocate``: per-layer KV bits for one model under a bits budget.
 
 Measures how much each layer's keys and values cost at each bit width on calibration
-text (``lessmem.kvcache.allocate.measure_sensitivity``; about 15 minutes per 512-token
+text (``lessmem.eval.allocate.measure_sensitivity``; about 15 minutes per 512-token
 window for the built-in model's 30 layers on two cores, so ``--sensitivity FILE`` keeps
 the table and later runs read it), then writes the allocation of least measured cost whose
 bits, with window and sinks counted at ``--context`` tokens, fit ``--bits``. The file is a
@@ -60,7 +60,7 @@ def _layout(args):
 def check(args) -> None:
     """Everything known before the model loads: the bit choices fit the layout's formats, a
     given sensitivity file matches them, the model can be named."""
-    from lessmem.kvcache.allocate import Sensitivity
+    from lessmem.eval.allocate import Sensitivity
 
     layout = _layout(args)
     choices = tuple(sorted(set(args.choices)))
@@ -93,15 +93,15 @@ def run(args) -> int:
     import torch
 
     from lessmem.base.corpus import load_text
-    from lessmem.eval.cli import write_atomic
-    from lessmem.eval.generate_cli import load_model, set_threads
-    from lessmem.eval.report import Progress, quiet_transformers
-    from lessmem.kvcache.allocate import (
+    from lessmem.eval.allocate import (
         Sensitivity,
         all_in_bits,
         allocate_all_in,
         measure_sensitivity,
     )
+    from lessmem.eval.cli import write_atomic
+    from lessmem.eval.generate_cli import load_model, set_threads
+    from lessmem.eval.report import Progress, quiet_transformers
     from lessmem.kvcache.shape import head_dim
 
     if not hasattr(args, "table"):
@@ -148,7 +148,7 @@ def run(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:  # python -m lessmem.kvcache.allocate_cli
+def main(argv=None) -> int:  # python -m lessmem.eval.allocate_cli
     from lessmem.cli import main as lessmem_main
 
     return lessmem_main(["kv-allocate", *(sys.argv[1:] if argv is None else argv)])

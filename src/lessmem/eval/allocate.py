@@ -40,7 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .config import ConfigTypeError, KVConfig, KVTensorConfig
+from lessmem.kvcache.config import ConfigTypeError, KVConfig, KVTensorConfig
+from lessmem.plan.kv import kv_bytes
 
 #: the other side of a layer while one side is measured: int8 per token (nearly exact)
 _NEAR_EXACT = KVTensorConfig("int", 8)
@@ -130,9 +131,7 @@ def measure_sensitivity(model, tok, text: str, template: KVConfig, bits=(2, 3, 4
     """
     from lessmem.eval.caches import CacheSpec
     from lessmem.eval.perplexity import evaluate
-
-    from .attention import enable
-    from .cache import KVCache
+    from lessmem.kvcache import KVCache, enable
 
     n = model.config.num_hidden_layers
     probes = probe_configs(template, n, bits)
@@ -200,8 +199,6 @@ def all_in_bits(cfg: KVConfig, layers: int, kv_heads: int, head_dim: int, contex
     """Mean bits per K/V element of one sequence of ``context`` tokens, everything counted:
     codes, scales, zero points, the full-precision window and sinks (the planner's bytes,
     :func:`lessmem.plan.kv.kv_bytes`)."""
-    from lessmem.plan.kv import kv_bytes
-
     plan = kv_bytes(_Dims(layers, kv_heads, head_dim), context, 1, cfg.to_plan("mixed", num_layers=layers))
     return 16 * plan["total"] / plan["fp16"]
 

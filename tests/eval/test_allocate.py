@@ -1,4 +1,4 @@
-"""Per-layer KV bits from measured sensitivity (lessmem.kvcache.allocate)."""
+"""Per-layer KV bits from measured sensitivity (lessmem.eval.allocate)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvhelpers import run_chunks
 
+from lessmem.eval.allocate import Sensitivity, allocate, measure_sensitivity, probe_configs
 from lessmem.formats import PerGroup
 from lessmem.kvcache import PRESETS, KVCache, KVConfig, KVTensorConfig, enable
-from lessmem.kvcache.allocate import Sensitivity, allocate, measure_sensitivity, probe_configs
 from lessmem.kvcache.presets import load_config, resolve
+
+def run_chunks(model, ids, cache, sizes):
+    """Logits of every position, ``ids`` fed through ``cache`` in chunks of ``sizes``."""
+    from lessmem.kvcache.cache import cache_kwargs
+
+    out, s = [], 0
+    with torch.no_grad():
+        for n in sizes:
+            out.append(model(ids[:, s:s + n], **cache_kwargs(model, cache)).logits)
+            s += n
+    return torch.cat(out, dim=1)
+
 
 TEMPLATE = PRESETS["best-3"]  # keys uint ch128 (0.1875 bits of metadata), values lm per token (0.25)
 
