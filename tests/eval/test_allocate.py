@@ -16,6 +16,7 @@ from lessmem.formats import PerGroup
 from lessmem.kvcache import PRESETS, KVCache, KVConfig, KVTensorConfig, enable
 from lessmem.kvcache.presets import load_config, resolve
 
+
 def run_chunks(model, ids, cache, sizes):
     """Logits of every position, ``ids`` fed through ``cache`` in chunks of ``sizes``."""
     from lessmem.kvcache.cache import cache_kwargs

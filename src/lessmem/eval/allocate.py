@@ -2,9 +2,10 @@
 
 Layers of one model differ widely in how much a coarser cache costs: on the built-in
 model, 2-bit keys in layer 20 move the next-token distribution 230 times more than in
-layer 0 (``benchmarks/results/kv_layer_sensitivity.json``). Spending the bits where they matter is the idea of
-KVTuner (Li et al., "KVTuner: Sensitivity-Aware Layer-wise Mixed Precision KV Cache
-Quantization", ICML 2025, arXiv:2502.04420); here it is done in two measured steps:
+layer 0 (``benchmarks/results/kv_layer_sensitivity.json``). Spending the bits where they
+matter is the idea of KVTuner (Li et al., "KVTuner: Sensitivity-Aware Layer-wise Mixed
+Precision KV Cache Quantization", ICML 2025, arXiv:2502.04420); here it is done in two
+measured steps:
 
 1. :func:`measure_sensitivity` runs the evaluation protocol
    (:func:`lessmem.eval.perplexity.evaluate`) once, with one cache per (layer, side,
@@ -166,7 +167,7 @@ def allocate(sens: Sensitivity, mean_bits: float, head_dim: int) -> KVConfig:
         raise ValueError(f"mean_bits={mean_bits!r}; allowed: at least {lo:.3f} (every side at "
                          f"{min(bits)} bits with its scales)")
     budget = min(int(math.floor(2 * n * mean_bits - n * sum(meta) + 1e-9)), 2 * n * max(bits))
-    items = [row for row in sens.keys] + [row for row in sens.values]
+    items = list(sens.keys) + list(sens.values)
     # best[c] = (least cost, choices) over the items so far using exactly c code bits
     inf = float("inf")
     best: list[tuple[float, tuple]] = [(0.0, ())] + [(inf, ())] * budget
@@ -179,7 +180,7 @@ def allocate(sens: Sensitivity, mean_bits: float, head_dim: int) -> KVConfig:
                 if c + b <= budget and cost + item_cost < nxt[c + b][0]:
                     nxt[c + b] = (cost + item_cost, picks + (b,))
         best = nxt
-    cost, picks = min(best, key=lambda x: (x[0], sum(x[1])))
+    _, picks = min(best, key=lambda x: (x[0], sum(x[1])))
     pairs = list(zip(picks[:n], picks[n:], strict=True))
     common = max(set(pairs), key=lambda p: (pairs.count(p), p))  # the base; the rest override it
     overrides = tuple((i, _side(t.keys, kb), _side(t.values, vb))
