@@ -106,11 +106,16 @@ def all_in_bits(cfg, context=8192) -> float:
     return bits(cfg, _Dims.layers, _Dims.kv_heads, _Dims.head_dim, context)
 
 
-def mixed_candidates(path=SENSITIVITY) -> dict:
-    """One allocation per budget: the largest mean bits whose all-in bits at 8k fit it."""
-    from lessmem.eval.allocate import Sensitivity, allocate_all_in
+def load_sensitivity(path=SENSITIVITY):
+    from lessmem.eval.allocate import Sensitivity
 
-    sens = Sensitivity.from_dict(json.loads(Path(path).read_text())["sensitivity"])
+    return Sensitivity.from_dict(json.loads(Path(path).read_text())["sensitivity"])
+
+
+def mixed_candidates(sens) -> dict:
+    """One allocation per budget: the largest mean bits whose all-in bits at 8k fit it."""
+    from lessmem.eval.allocate import allocate_all_in
+
     return {f"mixed-{b}": allocate_all_in(sens, b, kv_heads=_Dims.kv_heads, head_dim=_Dims.head_dim,
                                           context=8192) for b in MIXED_BUDGETS}
 
@@ -156,8 +161,9 @@ def main(argv=None) -> int:
 
     model, tok = lessmem.load("smollm2-135m")
     text = TRAIN.read_text()
+    sens = load_sensitivity() if "mixed" in args.which.split(",") else None
     groups = {"4": CANDIDATES_4, "2": CANDIDATES_2, "35": CANDIDATES_35, "25": CANDIDATES_25,
-              "mixed": mixed_candidates() if "mixed" in args.which.split(",") else {},
+              "mixed": mixed_candidates(sens) if sens is not None else {},
               "presets": {f"preset:{n}": PRESETS[n] for n in ("int8", "fp8", "kivi-4", "kivi-2", "best-4",
                                                               "best-2")}}
     cands = {}
@@ -185,6 +191,8 @@ def main(argv=None) -> int:
             row.update(bits_avg=(kb + vb) / 2, compression_4k=plan["fp16"] / plan["total"],
                        bits_4k=16 * plan["total"] / plan["fp16"], bits_8k=16 * plan8["total"] / plan8["fp16"],
                        kv=cfg.to_dict())
+            if r["config"] in groups["mixed"]:  # what the table predicts, costs summed over layers
+                row["predicted_kld"] = sens.cost(cfg)
         out.append(row)
         print(f"{row['config']:<28} dppl {row['delta_ppl_pct']:+7.3f}%  kld {row['kld']:.4f}  "
               f"bits {row.get('bits_avg', 16):.3f} (8k all-in {row.get('bits_8k', 16):.3f})  "

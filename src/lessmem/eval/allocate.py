@@ -87,6 +87,12 @@ class Sensitivity:
     def num_layers(self) -> int:
         return len(self.keys)
 
+    def cost(self, cfg: KVConfig) -> float:
+        """The summed measured cost of ``cfg``'s per-layer bits (what :func:`allocate`
+        minimizes; the KLD it predicts if costs add up over layers)."""
+        return sum(self.keys[i][self.bits.index(k.bits)] + self.values[i][self.bits.index(v.bits)]
+                   for i, (k, v) in enumerate(map(cfg.for_layer, range(self.num_layers))))
+
     def to_dict(self) -> dict:
         return {"template": self.template.to_dict(), "bits": list(self.bits), "keys": self.keys,
                 "values": self.values, "protocol": self.protocol}
@@ -204,6 +210,19 @@ def all_in_bits(cfg: KVConfig, layers: int, kv_heads: int, head_dim: int, contex
     return 16 * plan["total"] / plan["fp16"]
 
 
+def check_budget(template: KVConfig, lowest: int, bits: float, layers: int, kv_heads: int,
+                 head_dim: int, context: int) -> None:
+    """ValueError unless an allocation on ``template`` can fit ``bits`` all-in bits: every
+    side at ``lowest`` bits must (:func:`all_in_bits` at ``context`` tokens)."""
+    t = template
+    floor = t.replace(keys=_side(t.keys, lowest), values=_side(t.values, lowest), skip_layers=(),
+                      layer_overrides=())
+    low = all_in_bits(floor, layers, kv_heads, head_dim, context)
+    if bits < low - 1e-9:
+        raise ValueError(f"bits={bits!r} at {context} tokens; allowed: at least {low:.3f} (every side at "
+                         f"{lowest} bits, scales, window and sinks counted)")
+
+
 def allocate_all_in(sens: Sensitivity, bits: float, *, kv_heads: int, head_dim: int,
                     context: int) -> KVConfig:
     """:func:`allocate` at the largest mean effective bits whose :func:`all_in_bits` at
@@ -213,11 +232,7 @@ def allocate_all_in(sens: Sensitivity, bits: float, *, kv_heads: int, head_dim: 
     n, t, b0 = sens.num_layers, sens.template, min(sens.bits)
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not math.isfinite(bits):
         raise ConfigTypeError(f"bits={bits!r}; allowed: a number of bits per K/V element")
-    lowest = t.replace(keys=_side(t.keys, b0), values=_side(t.values, b0), skip_layers=(), layer_overrides=())
-    low = all_in_bits(lowest, n, kv_heads, head_dim, context)
-    if bits < low - 1e-9:
-        raise ValueError(f"bits={bits!r} at {context} tokens; allowed: at least {low:.3f} (every side at "
-                         f"{b0} bits, scales, window and sinks counted)")
+    check_budget(t, b0, bits, n, kv_heads, head_dim, context)
     floor = min(b0 + (t.keys.effective_bits(head_dim) - t.keys.bits
                       + t.values.effective_bits(head_dim) - t.values.bits) / 2, bits)
     mean = float(bits)

@@ -94,9 +94,9 @@ def run(args) -> int:
 
     from lessmem.base.corpus import load_text
     from lessmem.eval.allocate import (
-        Sensitivity,
         all_in_bits,
         allocate_all_in,
+        check_budget,
         measure_sensitivity,
     )
     from lessmem.eval.cli import write_atomic
@@ -115,10 +115,8 @@ def run(args) -> int:
     n, kv_heads, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg)
     context = args.context or getattr(cfg, "max_position_embeddings", None) or 4096
     layout = _layout(args)
-    zero = [[0.0] * len(args.choices)] * n
     try:  # the budget against this model's shape, before any measuring
-        allocate_all_in(Sensitivity(layout, args.choices, zero, zero), args.bits, kv_heads=kv_heads,
-                        head_dim=hd, context=context)
+        check_budget(layout, args.choices[0], args.bits, n, kv_heads, hd, context)
     except ValueError as exc:
         raise T.OptionError("--bits", args.bits, str(exc)) from None
     if args.table is not None and args.table.num_layers != n:
@@ -138,8 +136,7 @@ def run(args) -> int:
     out = allocate_all_in(sens, args.bits, kv_heads=kv_heads, head_dim=hd, context=context)
     write_atomic(args.out, json.dumps(out.to_dict(), indent=1) + "\n")
     kb, vb = out.effective_bits(hd, num_layers=n)
-    cost = sum(sens.keys[i][sens.bits.index(out.for_layer(i)[0].bits)]
-               + sens.values[i][sens.bits.index(out.for_layer(i)[1].bits)] for i in range(n))
+    cost = sens.cost(out)
     print(f"keys   bits by layer: {''.join(str(out.for_layer(i)[0].bits) for i in range(n))}")
     print(f"values bits by layer: {''.join(str(out.for_layer(i)[1].bits) for i in range(n))}")
     print(f"K {kb:.3f} / V {vb:.3f} effective bits; {all_in_bits(out, n, kv_heads, hd, context):.3f} "

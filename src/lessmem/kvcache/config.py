@@ -332,8 +332,8 @@ class KVConfig:
         pairs = [self.for_layer(i) for i in range(num_layers) if i not in self.skip_layers]
         for _, k, v in self.layer_overrides:
             for t, base in ((k, self.keys), (v, self.values)):
-                if (t.group_shape(64) != base.group_shape(64) or t.has_zero_point != base.has_zero_point
-                        or not t.quantized):
+                if t.granularity != base.granularity or t.has_zero_point != base.has_zero_point \
+                        or not t.quantized:
                     raise ValueError("to_plan: layer_overrides that change more than the bits "
                                      f"({t.format} {t.granularity!r} against {base.format} "
                                      f"{base.granularity!r}) cannot be described to the planner; "
