@@ -229,6 +229,39 @@ def test_cpp_sources_ship_with_the_package(monkeypatch):
     assert _build.build_key(src) != key
 
 
+def test_cpp_checks_build_messages_without_iostreams(monkeypatch):
+    """Every C++ argument check goes through csrc/lm_check.h (LM_CHECK / LM_CHECK_VALUE), which
+    load_cpp_file puts before each source: TORCH_CHECK's own formatting of numbers crashed
+    the process, instead of raising, where the extension held its own libstdc++ streams."""
+    import os
+    import re
+
+    from lessmem.kernels import _build
+
+    for name in ("linear.cpp", "gguf_linear.cpp", "attention.cpp"):
+        src = _build.cpp_source(name)
+        assert not re.search(r"TORCH_CHECK|TORCH_INTERNAL_ASSERT|c10::str\(|std::ostream|stringstream", src), name
+        assert "LM_CHECK" in src, name
+    seen = {}
+    monkeypatch.setattr(_build, "load_cpp", lambda name, source, *a, **k: seen.setdefault(name, source))
+    _build.load_cpp_file("lessmem_linear", "linear.cpp", ["f"])
+    head = _build.cpp_source(_build.CHECK_HEADER)
+    assert seen["lessmem_linear"] == head + '\n#line 1 "linear.cpp"\n' + _build.cpp_source("linear.cpp")
+    monkeypatch.undo()
+    if os.environ.get("LESSMEM_BUILD_TESTS") != "1":
+        return  # the build below takes ~45 s on two cores: opt-in
+    # the failure mode itself: libstdc++ linked into the extension (-static-libstdc++)
+    src = head + r"""
+void lm_fail(int64_t n) { LM_CHECK_VALUE(n == 0, "lm: n=", n, ", shape ", c10::IntArrayRef({2, 3})); }
+"""  # (TORCH_CHECK_VALUE with the same parts raises "torch: n=" here, the number dropped)
+    m = _build.load_cpp("lessmem_check_static", src, ["lm_fail"],
+                        extra_ldflags=["-static-libstdc++"])
+    if m is None:
+        pytest.skip("no static libstdc++ to link")
+    with pytest.raises(ValueError, match=r"^lm: n=7, shape \[2, 3\]$"):
+        m.lm_fail(7)
+
+
 def test_missing_cpp_source_falls_back_with_a_warning():
     from lessmem.kernels import _build
 

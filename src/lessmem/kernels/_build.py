@@ -30,6 +30,7 @@ import threading
 import warnings
 from importlib import resources
 
+CHECK_HEADER = "lm_check.h"  # prepended to every source: LM_CHECK / LM_CHECK_VALUE
 _LOCK = threading.Lock()
 _MODULES: dict[str, object] = {}
 # (name, source, flags) -> module: callers ask on every forward, so the answer must not
@@ -93,7 +94,10 @@ def load_cpp_file(name: str, filename: str, functions: list[str],
     """``load_cpp`` on the source file ``<package>/csrc/<filename>``; ``None`` (with one
     warning) when the file is missing, as when no compiler is available."""
     try:
-        source = cpp_source(filename, package)
+        # the argument-check macros first (csrc/lm_check.h says why), then the file, its
+        # line numbers kept for compiler messages
+        source = (cpp_source(CHECK_HEADER) + f'\n#line 1 "{filename}"\n'
+                  + cpp_source(filename, package))
     except FileNotFoundError as exc:
         if os.environ.get("LESSMEM_NO_CPP") != "1" and (package, filename) not in _NO_FILE:
             _NO_FILE.add((package, filename))

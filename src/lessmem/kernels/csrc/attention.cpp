@@ -216,7 +216,7 @@ struct RowDecoder {
 void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bits, int64_t tg, int64_t dg,
                 double zc, int D, int64_t seg, int64_t rb) {
   s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
-  TORCH_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
+  LM_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
   s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
   s.rb = (int)rb; s.srow = D / dg; s.seg = seg;
 }
@@ -228,7 +228,7 @@ QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch
                 int64_t tg, int64_t dg, double zc, int D, int64_t seg, std::vector<torch::Tensor>& keep) {
   QSide s;
   s.has_zp = !zp.empty();
-  TORCH_CHECK(!codes.empty() && codes.size() == scale.size() && (!s.has_zp || zp.size() == codes.size()),
+  LM_CHECK(!codes.empty() && codes.size() == scale.size() && (!s.has_zp || zp.size() == codes.size()),
               "qattn: each side needs as many scale (and zero point) tensors as code tensors");
   // a part that is not contiguous (or scales not fp16) is converted here and kept alive
   auto fit = [&keep](const torch::Tensor& t, c10::ScalarType dt) -> const torch::Tensor& {
@@ -251,12 +251,12 @@ QSide make_side(const std::vector<torch::Tensor>& codes, const std::vector<torch
 // [nseg, rb, has_zp, then per segment T, R, codes, scale, zero point], from t[pos] on.
 QSide side_from_table(const int64_t* t, int64_t& pos, int64_t len, const torch::Tensor& lut, int64_t packing,
                       int64_t bits, int64_t tg, int64_t dg, double zc, int D, int64_t seg) {
-  TORCH_CHECK(pos + 3 <= len, "qattn_batch: history table too short");
+  LM_CHECK(pos + 3 <= len, "qattn_batch: history table too short");
   const int64_t n = t[pos], rb = t[pos + 1];
   QSide s;
   s.has_zp = t[pos + 2] != 0;
   pos += 3;
-  TORCH_CHECK(n > 0 && pos + 5 * n <= len, "qattn_batch: history table too short for ", n, " segments");
+  LM_CHECK(n > 0 && pos + 5 * n <= len, "qattn_batch: history table too short for ", n, " segments");
   for (int64_t i = 0; i < n; ++i, pos += 5) {
     s.T.push_back(t[pos]); s.R.push_back(t[pos + 1]);
     s.codes.push_back(reinterpret_cast<const uint8_t*>(t[pos + 2]));
@@ -281,7 +281,7 @@ struct FpPart {
   int64_t off[MAX_PIECES + 1] = {}; int64_t hs[MAX_PIECES] = {}; int np = 0;
   const float* q = nullptr; const float* mask = nullptr; int64_t L = 0; bool causal = false;
   void add(const void* kp, const void* vp, int64_t n, bool is_half, int64_t head_stride) {
-    TORCH_CHECK(np < MAX_PIECES, "qattn: at most ", MAX_PIECES, " full-precision pieces");
+    LM_CHECK(np < MAX_PIECES, "qattn: at most ", MAX_PIECES, " full-precision pieces");
     k[np] = kp; v[np] = vp; half[np] = is_half; hs[np] = head_stride; off[np + 1] = off[np] + n; ++np;
     L = off[np];
   }
@@ -562,15 +562,15 @@ std::vector<torch::Tensor> qattn_batch(
     torch::Tensor vlut, int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, std::vector<int64_t> seg,
     std::vector<std::vector<torch::Tensor>> fk, std::vector<std::vector<torch::Tensor>> fv,
     std::vector<int64_t> nsplit) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous() && qf.sizes() == q.sizes()
+  LM_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous() && qf.sizes() == q.sizes()
               && qf.scalar_type() == torch::kFloat32 && qf.is_contiguous(),
               "qattn_batch: q and qf must be contiguous float32 [R, Hq, D] of one shape");
   const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(tables.size() == (size_t)R && seg.size() == (size_t)R && fk.size() == (size_t)R
+  LM_CHECK(tables.size() == (size_t)R && seg.size() == (size_t)R && fk.size() == (size_t)R
               && fv.size() == (size_t)R && nsplit.size() == (size_t)R,
               "qattn_batch: one history table, seg, piece list and split count per request (", R, " requests)");
-  TORCH_CHECK(R > 0, "qattn_batch: no requests");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "qattn_batch: query heads ", Hq, " not a multiple of KV heads ", Hkv);
+  LM_CHECK(R > 0, "qattn_batch: no requests");
+  LM_CHECK(Hkv > 0 && Hq % Hkv == 0, "qattn_batch: query heads ", Hq, " not a multiple of KV heads ", Hkv);
   const int64_t nrep = Hq / Hkv;
   std::vector<QSide> K, V;
   K.reserve(R); V.reserve(R);
@@ -578,7 +578,7 @@ std::vector<torch::Tensor> qattn_batch(
   std::vector<int64_t> Ts(R, 0);
   for (int64_t r = 0; r < R; ++r) {
     const auto& tb = tables[r];
-    TORCH_CHECK(tb.scalar_type() == torch::kInt64 && tb.dim() == 1 && tb.is_contiguous(),
+    LM_CHECK(tb.scalar_type() == torch::kInt64 && tb.dim() == 1 && tb.is_contiguous(),
                 "qattn_batch: history tables must be contiguous int64 vectors");
     const int64_t* t = tb.data_ptr<int64_t>();
     int64_t pos = 0;
@@ -607,10 +607,10 @@ std::vector<torch::Tensor> qattn_batch(
     J.T = Ts[r];
     J.q = q.data_ptr<float>() + r * Hq * D;
     J.F.q = qf.data_ptr<float>() + r * Hq * D;
-    TORCH_CHECK(fk[r].size() == fv[r].size(), "qattn_batch: as many value pieces as key pieces");
+    LM_CHECK(fk[r].size() == fv[r].size(), "qattn_batch: as many value pieces as key pieces");
     for (size_t i = 0; i < fk[r].size(); ++i) {
       torch::Tensor a = fk[r][i], b = fv[r][i];
-      TORCH_CHECK(a.dim() == 4 && a.sizes() == b.sizes() && a.size(0) == 1 && a.size(1) == Hkv && a.size(3) == D,
+      LM_CHECK(a.dim() == 4 && a.sizes() == b.sizes() && a.size(0) == 1 && a.size(1) == Hkv && a.size(3) == D,
                   "qattn_batch: full-precision pieces must be [1, Hkv, L, D] keys and values of one shape");
       if (!readable(a) || !readable(b) || b.scalar_type() != a.scalar_type() || (Hkv > 1 && a.stride(1) != b.stride(1))) {
         const auto dt = a.scalar_type() == torch::kFloat16 && b.scalar_type() == torch::kFloat16 ? torch::kFloat16
@@ -658,10 +658,10 @@ torch::Tensor qattn_rows(
     torch::Tensor vlut, int64_t vpack, int64_t vbits, int64_t vtg, int64_t vdg, double vzc, std::vector<int64_t> seg,
     std::vector<std::vector<torch::Tensor>> fk, std::vector<std::vector<torch::Tensor>> fv,
     std::vector<int64_t> nsplit) {
-  TORCH_CHECK(q.dim() == 3, "qattn_rows: q must be [R, Hq, D]");
+  LM_CHECK(q.dim() == 3, "qattn_rows: q must be [R, Hq, D]");
   const int64_t D = q.size(2);
   for (const auto* m : {&rk, &rv})
-    TORCH_CHECK(m->numel() == 0 || (m->dim() == 2 && m->size(0) == D && m->size(1) == D
+    LM_CHECK(m->numel() == 0 || (m->dim() == 2 && m->size(0) == D && m->size(1) == D
                                     && m->scalar_type() == torch::kFloat32 && m->is_contiguous()),
                 "qattn_rows: rotation matrices must be contiguous float32 [D, D] (or empty)");
   auto qf = (q.to(torch::kFloat32) * scale).contiguous();

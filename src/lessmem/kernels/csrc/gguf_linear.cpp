@@ -471,7 +471,7 @@ static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
   case Q3_K: F<Q3_K>(__VA_ARGS__); break; case Q4_K: F<Q4_K>(__VA_ARGS__); break; \
   case Q5_K: F<Q5_K>(__VA_ARGS__); break; case Q6_K: F<Q6_K>(__VA_ARGS__); break; \
   case IQ4_NL: F<IQ4_NL>(__VA_ARGS__); break; case IQ4_XS: F<IQ4_XS>(__VA_ARGS__); break; \
-  default: TORCH_CHECK(false, "unknown ggml type id ", type); }
+  default: LM_CHECK(false, "unknown ggml type id ", type); }
 
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N, torch::Tensor bias) {
   // x [..., K] (any float dtype), w uint8 raw GGUF rows (N * row_bytes bytes), bias [N] float32
@@ -492,7 +492,7 @@ bool gguf_q8_supported(int64_t type) { return type == Q4_0 || type == Q4_1 || ty
 
 torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N, torch::Tensor bias) {
   // as gguf_linear, with x quantized to int8 per block of 32 (Q4_0, Q4_1, Q8_0 weights only)
-  TORCH_CHECK(gguf_q8_supported(type), "gguf_linear_q8: ggml type ", type, " is not Q4_0, Q4_1 or Q8_0");
+  LM_CHECK(gguf_q8_supported(type), "gguf_linear_q8: ggml type ", type, " is not Q4_0, Q4_1 or Q8_0");
   const auto dtype = x.scalar_type();
   auto shape = x.sizes().vec();
   const int64_t K = shape.back(), M = K > 0 ? x.numel() / K : 0;
@@ -533,7 +533,7 @@ static void traits_of(int64_t type, int64_t& qk, int64_t& ts) {
     case Q3_K: qk = 256; ts = 110; break; case Q4_K: qk = 256; ts = 144; break;
     case Q5_K: qk = 256; ts = 176; break; case Q6_K: qk = 256; ts = 210; break;
     case IQ4_NL: qk = 32; ts = 18; break; case IQ4_XS: qk = 256; ts = 136; break;
-    default: TORCH_CHECK_VALUE(false, "GGUF type ", type, " is not supported; allowed: the ggml ids 2 (Q4_0), "
+    default: LM_CHECK_VALUE(false, "GGUF type ", type, " is not supported; allowed: the ggml ids 2 (Q4_0), "
                                "3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), "
                                "13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL), 23 (IQ4_XS)");
   }
@@ -542,20 +542,20 @@ static void traits_of(int64_t type, int64_t& qk, int64_t& ts) {
 static void check_raw(const torch::Tensor& raw, int64_t type, int64_t N, int64_t K, const char* op) {
   int64_t qk, ts;
   traits_of(type, qk, ts);
-  TORCH_CHECK_VALUE(raw.scalar_type() == torch::kUInt8, op, ": raw dtype ", raw.scalar_type(), "; allowed: uint8");
-  TORCH_CHECK_VALUE(N > 0 && K > 0 && K % qk == 0 && raw.numel() == N * (K / qk) * ts, op, ": raw holds ",
+  LM_CHECK_VALUE(raw.scalar_type() == torch::kUInt8, op, ": raw dtype ", raw.scalar_type(), "; allowed: uint8");
+  LM_CHECK_VALUE(N > 0 && K > 0 && K % qk == 0 && raw.numel() == N * (K / qk) * ts, op, ": raw holds ",
                     raw.numel(), " bytes for ", K, " input features; allowed: in_features a multiple of ", qk,
                     " and [", N, ", ", K, "] = ", (K > 0 && K % qk == 0 ? N * (K / qk) * ts : -1), " bytes");
 }
 
 static torch::Tensor op_gguf_linear(const torch::Tensor& x, const torch::Tensor& raw, int64_t type, int64_t N,
                                     const std::optional<torch::Tensor>& bias, bool int8_activations) {
-  TORCH_CHECK_VALUE(x.is_floating_point(), "gguf_linear: x dtype ", x.scalar_type(), "; allowed: a float dtype");
-  TORCH_CHECK_VALUE(x.dim() >= 1, "gguf_linear: x must have a feature dimension");
+  LM_CHECK_VALUE(x.is_floating_point(), "gguf_linear: x dtype ", x.scalar_type(), "; allowed: a float dtype");
+  LM_CHECK_VALUE(x.dim() >= 1, "gguf_linear: x must have a feature dimension");
   check_raw(raw, type, N, x.size(-1), "gguf_linear");
   torch::Tensor b = torch::empty({0}, torch::dtype(torch::kFloat32));
   if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->numel() == N, "gguf_linear: bias has ", bias->numel(),
+    LM_CHECK_VALUE(bias->numel() == N, "gguf_linear: bias has ", bias->numel(),
                       " values; allowed: None or out_features = ", N);
     b = bias->to(torch::kFloat32).contiguous();
   }

@@ -378,9 +378,9 @@ torch::Tensor lowbit_linear(torch::Tensor x, torch::Tensor codes, int64_t bits, 
   // bias [N] float32 or empty (no bias)
   x = x.contiguous(); codes = codes.contiguous(); scale = scale.contiguous(); zero = zero.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "lowbit_linear: bad K/group");
-  TORCH_CHECK(codes.numel() >= N * K * bits / 8, "lowbit_linear: codes too short");
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "lowbit_linear: bias size");
+  LM_CHECK(group_size % 32 == 0 && K % group_size == 0, "lowbit_linear: bad K/group");
+  LM_CHECK(codes.numel() >= N * K * bits / 8, "lowbit_linear: codes too short");
+  LM_CHECK(bias.numel() == 0 || bias.numel() == N, "lowbit_linear: bias size");
   bias = bias.contiguous();
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -421,7 +421,7 @@ int64_t simd_build() {
 #include <torch/library.h>
 #include <memory>
 
-#define CHECK_DTYPE(op, name, t, want) TORCH_CHECK_VALUE((t).scalar_type() == (want), op ": " name " dtype ", \
+#define CHECK_DTYPE(op, name, t, want) LM_CHECK_VALUE((t).scalar_type() == (want), op ": " name " dtype ", \
                                                          (t).scalar_type(), "; allowed: ", (want))
 
 static std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
@@ -433,24 +433,24 @@ static std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
 static torch::Tensor op_lowbit_linear(const torch::Tensor& x, const torch::Tensor& codes, int64_t bits,
                                       const torch::Tensor& scale, const torch::Tensor& zero, int64_t group_size,
                                       const std::optional<torch::Tensor>& bias) {
-  TORCH_CHECK_VALUE(bits >= 2 && bits <= 4, "lowbit_linear: bits=", bits, "; allowed: 2, 3, 4");
-  TORCH_CHECK_VALUE(x.is_floating_point() && x.dim() >= 1, "lowbit_linear: x dtype ", x.scalar_type(),
+  LM_CHECK_VALUE(bits >= 2 && bits <= 4, "lowbit_linear: bits=", bits, "; allowed: 2, 3, 4");
+  LM_CHECK_VALUE(x.is_floating_point() && x.dim() >= 1, "lowbit_linear: x dtype ", x.scalar_type(),
                     "; allowed: a float dtype");
   CHECK_DTYPE("lowbit_linear", "scale", scale, torch::kHalf);
   CHECK_DTYPE("lowbit_linear", "zero", zero, torch::kUInt8);
   CHECK_DTYPE("lowbit_linear", "codes", codes, torch::kUInt8);
-  TORCH_CHECK_VALUE(scale.dim() == 2 && zero.sizes() == scale.sizes(), "lowbit_linear: scale ", scale.sizes(),
+  LM_CHECK_VALUE(scale.dim() == 2 && zero.sizes() == scale.sizes(), "lowbit_linear: scale ", scale.sizes(),
                     " / zero ", zero.sizes(), "; allowed: both [N, G]");
   const int64_t N = scale.size(0), K = scale.size(1) * group_size;
-  TORCH_CHECK_VALUE(x.size(-1) == K && group_size > 0 && group_size % 32 == 0 && group_size <= 32768,
+  LM_CHECK_VALUE(x.size(-1) == K && group_size > 0 && group_size % 32 == 0 && group_size <= 32768,
                     "lowbit_linear: x has ", x.size(-1), " input features with group_size=", group_size, " and ",
                     scale.size(1), " groups per row; allowed: in_features = groups x group_size = ", K,
                     ", group_size a multiple of 32, at most 32768");
-  TORCH_CHECK_VALUE(codes.numel() == N * K * bits / 8, "lowbit_linear: codes hold ", codes.numel(),
+  LM_CHECK_VALUE(codes.numel() == N * K * bits / 8, "lowbit_linear: codes hold ", codes.numel(),
                     " bytes; allowed: N x K x bits / 8 = ", N * K * bits / 8);
   torch::Tensor b = torch::empty({0}, torch::dtype(torch::kFloat32));
   if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->numel() == N, "lowbit_linear: bias has ", bias->numel(),
+    LM_CHECK_VALUE(bias->numel() == N, "lowbit_linear: bias has ", bias->numel(),
                       " values; allowed: None or out_features = ", N);
     b = bias->to(torch::kFloat32);
   }
@@ -459,13 +459,13 @@ static torch::Tensor op_lowbit_linear(const torch::Tensor& x, const torch::Tenso
 }
 
 static torch::Tensor op_int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
-  TORCH_CHECK_VALUE(x.is_floating_point() && x.dim() >= 1, "int8_linear: x dtype ", x.scalar_type(),
+  LM_CHECK_VALUE(x.is_floating_point() && x.dim() >= 1, "int8_linear: x dtype ", x.scalar_type(),
                     "; allowed: a float dtype");
   CHECK_DTYPE("int8_linear", "w", w, torch::kInt8);
   CHECK_DTYPE("int8_linear", "scale", scale, torch::kHalf);
-  TORCH_CHECK_VALUE(w.dim() == 2 && x.size(-1) == w.size(1), "int8_linear: x has ", x.size(-1),
+  LM_CHECK_VALUE(w.dim() == 2 && x.size(-1) == w.size(1), "int8_linear: x has ", x.size(-1),
                     " input features; allowed: ", w.size(-1), " (w is ", w.sizes(), ")");
-  TORCH_CHECK_VALUE(scale.numel() == w.size(0), "int8_linear: scale has ", scale.numel(),
+  LM_CHECK_VALUE(scale.numel() == w.size(0), "int8_linear: scale has ", scale.numel(),
                     " values; allowed: one per output row (", w.size(0), ")");
   auto y = int8_linear(x.reshape({-1, w.size(1)}).to(torch::kFloat32), w, scale.reshape({-1}));
   return y.view(out_shape(x, w.size(0)));
@@ -476,9 +476,9 @@ static torch::Tensor op_w8a8_linear(const torch::Tensor& xq, const torch::Tensor
   CHECK_DTYPE("w8a8_linear", "xq", xq, torch::kInt8);
   CHECK_DTYPE("w8a8_linear", "w", w, torch::kInt8);
   CHECK_DTYPE("w8a8_linear", "scale", scale, torch::kHalf);
-  TORCH_CHECK_VALUE(xq.dim() == 2 && w.dim() == 2 && xq.size(1) == w.size(1), "w8a8_linear: xq ", xq.sizes(),
+  LM_CHECK_VALUE(xq.dim() == 2 && w.dim() == 2 && xq.size(1) == w.size(1), "w8a8_linear: xq ", xq.sizes(),
                     " and w ", w.sizes(), "; allowed: [M, K] and [N, K]");
-  TORCH_CHECK_VALUE(sx.numel() == xq.size(0) && scale.numel() == w.size(0), "w8a8_linear: sx has ", sx.numel(),
+  LM_CHECK_VALUE(sx.numel() == xq.size(0) && scale.numel() == w.size(0), "w8a8_linear: sx has ", sx.numel(),
                     " and scale ", scale.numel(), " values; allowed: ", xq.size(0), " (one per row of xq) and ",
                     w.size(0), " (one per row of w)");
   return w8a8_linear(xq, sx.to(torch::kFloat32), w, scale.reshape({-1}));
