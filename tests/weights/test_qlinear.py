@@ -12,6 +12,9 @@ from lessmem.weights.rtn import rtn_quantize
 @pytest.mark.parametrize("bits,gs,sym,layout", [
     (2, 32, False, "packed"), (3, 64, True, "packed"), (4, 64, False, "int4pack"),
     (4, 32, True, "int4pack"), (8, None, True, "int8"),
+    # 8-bit with zero points or groups: the int8 kernel takes neither (it once dropped the
+    # zero points silently and crashed on per-group scales); held as bytes, dequantized
+    (8, None, False, "packed"), (8, 32, True, "packed"),
 ])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_forward_matches_dequantized(bits, gs, sym, layout, rows):
@@ -47,6 +50,13 @@ def test_w8a8_close_to_float():
     # fused (few rows) and BLAS (many rows) paths agree
     xb = torch.randn(40, 256)
     torch.testing.assert_close(q(xb[:3]), q(xb)[:3], rtol=1e-5, atol=1e-5)
+
+
+def test_w8a8_needs_symmetric_per_row_codes():
+    lin = torch.nn.Linear(256, 64)
+    for gs, sym in ((64, True), (None, False)):
+        with pytest.raises(ValueError, match=r"act_bits=8 \(W8A8\) needs 8-bit codes symmetric"):
+            QuantLinear.from_linear(lin, 8, gs, sym, act_bits=8)
 
 
 def test_rtn_error_bound_and_bits():

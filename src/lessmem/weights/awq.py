@@ -95,15 +95,15 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int, symmetric:
     n, k = w.shape
     G = k // gs
     xg = x.float().view(-1, G, gs).permute(1, 0, 2)  # [G, T, gs]
-    ratios = torch.linspace(1.0, 1.0 - max_shrink, n_ratios)
-    best_r = torch.ones(n, G)
+    ratios = torch.linspace(1.0, 1.0 - max_shrink, n_ratios, device=w.device)
+    best_r = torch.ones(n, G, device=w.device)
     for r0 in range(0, n, chunk):
         wc = w[r0:r0 + chunk].float()
         rows = wc.shape[0]
         wg = wc.reshape(-1, gs)  # [rows*G, gs]
-        best_err = torch.full((rows, G), float("inf"))
+        best_err = torch.full((rows, G), float("inf"), device=w.device)
         for r in ratios:
-            s, z = group_qparams(wg, bits, symmetric, torch.full((wg.shape[0],), float(r)))
+            s, z = group_qparams(wg, bits, symmetric, torch.full((wg.shape[0],), float(r), device=w.device))
             d = (wg - fake_quant(wg, s, z, bits)).view(rows, G, gs).permute(1, 2, 0)  # [G, gs, rows]
             err = torch.bmm(xg, d).pow(2).mean(1).T  # [rows, G]
             better = err < best_err

@@ -119,11 +119,13 @@ class BlockInputs:
             raise StopForward
 
         h = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        dev = emb.weight.device if emb is not None else ids.device  # token ids go where the model is
         try:
             with torch.no_grad():
                 for i in range(ids.shape[0]):
                     try:
-                        model(input_ids=ids[i:i + 1], use_cache=False)
+                        model(input_ids=ids[i:i + 1].to(dev), use_cache=False)
                     except StopForward:
                         pass
         finally:

@@ -102,7 +102,8 @@ def apply_gguf(model: nn.Module, config, filter_fn=None, plan=None) -> dict:
                     mod.weight.copy_(dequantize_gguf(raw, t, tuple(mod.weight.shape)).to(mod.weight.dtype))
                 kept_float[name] = TIED_NOTE
             else:
-                q = GGUFLinear.from_raw(torch.from_numpy(raw), t, mod.in_features, mod.bias)
+                q = GGUFLinear.from_raw(torch.from_numpy(raw), t, mod.in_features, mod.bias,
+                                        device=mod.weight.device)
                 set_module(model, name, q)
                 held += q.nbytes
             raw_bytes, count = raw.nbytes, mod.weight.numel()

@@ -82,8 +82,10 @@ class GGUFLinear(nn.Module):
 
     # ---- construction -------------------------------------------------------------
     @classmethod
-    def from_raw(cls, raw, gguf_type, in_features: int, bias: torch.Tensor | None = None) -> GGUFLinear:
-        """Wrap raw GGUF rows (uint8 tensor or ndarray ``[N, row_bytes]``) of a ``[N, K]`` weight."""
+    def from_raw(cls, raw, gguf_type, in_features: int, bias: torch.Tensor | None = None,
+                 device=None) -> GGUFLinear:
+        """Wrap raw GGUF rows (uint8 tensor or ndarray ``[N, row_bytes]``) of a ``[N, K]`` weight,
+        held (with ``bias``) on ``device`` (default: raw's)."""
         raw = torch.as_tensor(raw)
         if raw.dtype != torch.uint8 or raw.dim() != 2:
             raise ValueError(f"raw GGUF rows must be a 2-D uint8 array [out_features, row_bytes], "
@@ -94,15 +96,16 @@ class GGUFLinear(nn.Module):
                              f"{m.gguf_type.upper()} needs {tuple(m.qweight.shape)}")
         m.qweight.copy_(raw)
         if bias is not None:
-            m.bias.data = bias.detach().float().clone().reshape(-1)
-        return m
+            m.bias.data = bias.detach().float().clone().reshape(-1).to(m.qweight.device)
+        return m if device is None else m.to(device)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, gguf_type, imatrix=None) -> GGUFLinear:
         """Encode ``lin.weight`` in ``gguf_type`` with llama.cpp's quantizer (``imatrix``: optional
         per-input-column importance, as ``llama-quantize --imatrix``)."""
         raw = quantize_gguf(lin.weight.detach(), gguf_type, imatrix=imatrix)
-        return cls.from_raw(torch.from_numpy(raw), gguf_type, lin.in_features, lin.bias)
+        return cls.from_raw(torch.from_numpy(raw), gguf_type, lin.in_features, lin.bias,
+                            device=lin.weight.device)
 
     # ---- inspection ---------------------------------------------------------------
     @property

@@ -43,7 +43,7 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor of (H + λI)⁻¹, raising λ ×10 while the factorisation fails."""
     k = h.shape[0]
     lam = damp * torch.diag(h).mean().item()
-    eye = torch.eye(k, dtype=h.dtype)
+    eye = torch.eye(k, dtype=h.dtype, device=h.device)
     for _ in range(6):
         L, info = torch.linalg.cholesky_ex(h + lam * eye)
         if info.item() == 0:
@@ -76,23 +76,24 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
                   act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
     n, k, gs = _check_args(w, h, bits, group_size, act_order, static_groups)
     W = w.detach().double().clone()  # [N, K]; float64 keeps the solve stable for big K
-    H = h.detach().double().clone()
+    H = h.detach().double().to(W.device, copy=True)  # (solved where the weight is)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     G = k // gs
-    scale = torch.empty(n, G, dtype=torch.float16)
-    zero = torch.empty(n, G, dtype=torch.uint8)
+    scale = torch.empty(n, G, dtype=torch.float16, device=W.device)
+    zero = torch.empty(n, G, dtype=torch.uint8, device=W.device)
     if static_groups or group_size is None:
         for g in range(G):
             s, z = group_qparams(W[:, g * gs:(g + 1) * gs].float(), bits, symmetric)
             scale[:, g], zero[:, g] = s, z
-    perm = torch.arange(k)
+    perm = torch.arange(k, device=W.device)
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     U = _inverse_cholesky(H, damp)
-    codes = torch.empty(n, k, dtype=torch.uint8)  # in permuted column order
+    codes = torch.empty(n, k, dtype=torch.uint8, device=W.device)  # in permuted column order
+    group_of = (perm // gs).tolist()  # (host ints: no device sync per column)
     dynamic = not (static_groups or group_size is None)
     bs = block_size
     if dynamic:
@@ -107,7 +108,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
             if dynamic and col % gs == 0:
                 s, z = group_qparams(W1[:, i:i + gs].float(), bits, symmetric)
                 scale[:, col // gs], zero[:, col // gs] = s, z
-            g = int(perm[col]) // gs
+            g = group_of[col]
             s, z = scale[:, g], zero[:, g]
             wc = W1[:, i:i + 1].float()
             u = quantize_grouped(wc, s, z, bits)  # [N, 1]

@@ -127,7 +127,7 @@ def _iterate(w, s, z, lo, hi, p, step, iters, beta, kappa, unit):
     iterating are gathered, so late iterations cost only what is left). Returns s, z, φ."""
     d, r, a, ap, phi = _evaluate(w, s, z, lo, hi, p, unit)
     best_s, best_z, best = s.clone(), z.clone(), phi.clone()
-    idx = torch.arange(w.shape[0])  # rows still iterating
+    idx = torch.arange(w.shape[0], device=w.device)  # rows still iterating
     for _ in range(iters):
         s, z = step(s, z, d, _quadratic_part(r, a, ap, beta), unit)
         beta *= kappa

@@ -24,18 +24,29 @@ import torch
 
 
 class Observer:
+    """Statistics of one linear's inputs, held on the device of the first input seen (a model
+    calibrated on a GPU keeps them there)."""
+
     def __init__(self, in_features: int, want_xtx: bool = False, keep: int = 0):
         self.k = in_features
         self.n = 0
-        self.xtx = torch.zeros(in_features, in_features, dtype=torch.float64) if want_xtx else None
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self.abs_max = torch.zeros(in_features)
+        self.want_xtx = want_xtx
+        self.xtx = None
+        self._zeros(torch.device("cpu"))
         self.keep = keep
         self._kept: list[torch.Tensor] = []
         self._n_kept = 0
 
+    def _zeros(self, device: torch.device) -> None:
+        k = self.k
+        self.xtx = torch.zeros(k, k, dtype=torch.float64, device=device) if self.want_xtx else None
+        self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device)
+        self.abs_max = torch.zeros(k, device=device)
+
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, self.k).float()
+        if self.n == 0 and x.device != self.abs_sum.device:
+            self._zeros(x.device)
         self.n += x.shape[0]
         if self.xtx is not None:
             xd = x.double()
@@ -56,7 +67,7 @@ class Observer:
         return (self.abs_sum / max(self.n, 1)).float()
 
     def samples(self) -> torch.Tensor:
-        return torch.cat(self._kept) if self._kept else torch.zeros(0, self.k)
+        return torch.cat(self._kept) if self._kept else torch.zeros(0, self.k, device=self.abs_max.device)
 
 
 class StopForward(Exception):

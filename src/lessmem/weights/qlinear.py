@@ -10,9 +10,11 @@ Layouts held (``N = out_features``, ``K = in_features``, ``G = K / group_size``)
   up to 16 rows (it reads these tensors as held; activations are rounded to 16-bit fixed
   point per group, relative error ≤ 1.6e-5, see ``kernels.linear_cpp``); larger batches
   (prefill), and group sizes that are not a multiple of 32, dequantize and use BLAS
-- 8-bit: int8 ``qweight [N, K]`` and fp16 ``scale [N, 1]`` → the C++ ``int8_linear`` kernel;
-  with ``act_bits=8`` (SmoothQuant W8A8) activations are quantized per token on the fly
-  (x_q = round(x / s_x), s_x = max|x_token| / 127) and the int8·int8 kernel sums in int32.
+- 8-bit, symmetric with one scale per row: int8 ``qweight [N, K]`` and fp16 ``scale [N, 1]``
+  → the C++ ``int8_linear`` kernel; with ``act_bits=8`` (SmoothQuant W8A8, which needs this
+  form) activations are quantized per token on the fly (x_q = round(x / s_x),
+  s_x = max|x_token| / 127) and the int8·int8 kernel sums in int32. 8-bit codes with groups
+  or zero points are held ``packed`` (one byte per code) and dequantized for BLAS.
 
 The kernels are torch ops (``torch.ops.lessmem.lowbit_linear`` / ``int8_linear`` /
 ``w8a8_linear``, ``kernels.linear_ops``): on CPU tensors the C++ kernels above, on CUDA the
@@ -121,7 +123,12 @@ class QuantLinear(nn.Module):
                 delattr(self, name)
         scale = scale.to(torch.float16).reshape(n, -1).contiguous()
         zero = zero.to(torch.uint8).reshape(n, -1).contiguous()
-        if self.bits == 8:
+        per_row_symmetric = scale.shape[1] == 1 and bool((zero == 128).all())
+        if self.act_bits == 8 and not (self.bits == 8 and per_row_symmetric):
+            raise ValueError(f"act_bits=8 (W8A8) needs 8-bit codes symmetric with one scale per row "
+                             f"(group_size={k}, symmetric=True); got group_size={self.group_size}, "
+                             f"symmetric={self.symmetric}")
+        if self.bits == 8 and per_row_symmetric:
             self.layout = "int8"
             self.register_buffer("qweight", (u.to(torch.int16) - 128).to(torch.int8).contiguous())
             self.register_buffer("scale", scale)
@@ -134,8 +141,9 @@ class QuantLinear(nn.Module):
             packed, sz = i4.pack_int4(u), i4.scales_and_zeros(scale, zero)
             self.register_buffer("int4pack", packed.clone())
             self.register_buffer("int4_sz", sz.clone())
-        else:
+        else:  # 8-bit with groups or zero points: held as bytes, dequantized for BLAS
             self.layout = "packed"
+            self._fused = self._fused and self.bits <= 4
             self.register_buffer("qweight", pack_bits(u, self.bits))
             self.register_buffer("scale", scale)
             self.register_buffer("zero_point", zero)

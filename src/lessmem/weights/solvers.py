@@ -82,7 +82,7 @@ def _gguf_fake_quant(types: dict, x: torch.Tensor):
     x_sq = x.reshape(-1, x.shape[-1]).double().pow(2).mean(0)
 
     def q(n, ws, s):
-        raw = quantize_gguf(ws.detach().float(), types[n], imatrix=(x_sq / (s * s)).float())
+        raw = quantize_gguf(ws.detach().float(), types[n], imatrix=(x_sq / (s * s)).float().cpu())
         return dequantize_gguf(raw, types[n], tuple(ws.shape))
     return q
 
@@ -135,8 +135,9 @@ def solve_gguf(block, arch: Arch, hidden, kwargs, cfgs: dict, config) -> dict:
             if config.gptq:
                 raw = gptq_gguf(lin.weight, h, cfgs[n], config.damp)
             else:
-                raw = quantize_gguf(lin.weight.detach(), cfgs[n], imatrix=torch.diag(h) / 2)
-            set_module(block, n, GGUFLinear.from_raw(torch.from_numpy(raw), cfgs[n], lin.in_features, lin.bias))
+                raw = quantize_gguf(lin.weight.detach(), cfgs[n], imatrix=(torch.diag(h) / 2).cpu())
+            set_module(block, n, GGUFLinear.from_raw(torch.from_numpy(raw), cfgs[n], lin.in_features, lin.bias,
+                                                     device=lin.weight.device))
             info.setdefault(n, {}).update(tokens=obs[n].n, type=cfgs[n])  # beside its AWQ entry as prev
     return info
 
