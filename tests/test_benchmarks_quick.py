@@ -502,6 +502,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "serve.json": "bench_serve.py",
     "serve_shared_prefix.json": "bench_serve.py",  # --no-peers: best-4, 2k prompts, a 1.5k shared prefix
     "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
+    "gpu.json": "bench_gpu.py",  # the H200 run of 2026-12-04
 }
 
 
