@@ -97,7 +97,7 @@ class GGUFLinear(nn.Module):
         m.qweight.copy_(raw)
         if bias is not None:
             m.bias.data = bias.detach().float().clone().reshape(-1).to(m.qweight.device)
-        return m if device is None else m.to(device)
+        return m.to(raw.device if device is None else device)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, gguf_type, imatrix=None) -> GGUFLinear:

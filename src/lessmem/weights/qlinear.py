@@ -141,7 +141,7 @@ class QuantLinear(nn.Module):
             packed, sz = i4.pack_int4(u), i4.scales_and_zeros(scale, zero)
             self.register_buffer("int4pack", packed.clone())
             self.register_buffer("int4_sz", sz.clone())
-        else:  # 8-bit with groups or zero points: held as bytes, dequantized for BLAS
+        else:  # 2/3/4-bit packed; 8-bit with groups or zero points too (a byte per code, BLAS only)
             self.layout = "packed"
             self._fused = self._fused and self.bits <= 4
             self.register_buffer("qweight", pack_bits(u, self.bits))
