@@ -157,27 +157,26 @@ def measure_sensitivity(model, tok, text: str, template: KVConfig, bits=(2, 3, 4
     return Sensitivity(template, tuple(bits), keys, values, protocol)
 
 
-def allocate(sens: Sensitivity, mean_bits: float, head_dim: int) -> KVConfig:
-    """The per-layer bits of least summed cost whose mean effective bits (keys and values of
-    every layer, metadata counted) are at most ``mean_bits``; a KVConfig on ``sens.template``.
+def _meta_bits(t: KVConfig, head_dim: int) -> float:
+    """Mean metadata bits (scales, zero points) per K/V element of ``t``'s two sides: the same
+    at every bit width, so a budget in effective bits is one in code bits."""
+    return (t.keys.effective_bits(head_dim) - t.keys.bits + t.values.effective_bits(head_dim) - t.values.bits) / 2
 
-    ValueError when ``mean_bits`` is below what the lowest bits cost."""
-    t = sens.template
-    n, bits = sens.num_layers, sens.bits
-    meta = [t.keys.effective_bits(head_dim) - t.keys.bits, t.values.effective_bits(head_dim) - t.values.bits]
-    lo = min(bits) + sum(meta) / 2
-    hi = max(bits) + sum(meta) / 2
-    if isinstance(mean_bits, bool) or not isinstance(mean_bits, (int, float)) or not math.isfinite(mean_bits):
-        raise ConfigTypeError(f"mean_bits={mean_bits!r}; allowed: a number from {lo:.3f} to {hi:.3f}")
-    if mean_bits < lo - 1e-9:
-        raise ValueError(f"mean_bits={mean_bits!r}; allowed: at least {lo:.3f} (every side at "
-                         f"{min(bits)} bits with its scales)")
-    budget = min(int(math.floor(2 * n * mean_bits - n * sum(meta) + 1e-9)), 2 * n * max(bits))
-    items = list(sens.keys) + list(sens.values)
-    # best[c] = (least cost, choices) over the items so far using exactly c code bits
+
+def _code_budget(sens: Sensitivity, mean_bits: float, meta: float) -> int:
+    """Code bits over the 2 x layers sides that ``mean_bits`` effective bits leave."""
+    n = sens.num_layers
+    return min(int(math.floor(2 * n * mean_bits - n * 2 * meta + 1e-9)), 2 * n * max(sens.bits))
+
+
+def _least_costs(sens: Sensitivity, budget: int) -> list[tuple[float, tuple]]:
+    """``best[c]``: (least summed cost, bits picked per side, keys then values) over every
+    side using exactly ``c`` code bits, for ``c`` up to ``budget`` (a multiple-choice
+    knapsack, solved exactly; the entries below ``budget`` do not depend on it)."""
+    bits = sens.bits
     inf = float("inf")
     best: list[tuple[float, tuple]] = [(0.0, ())] + [(inf, ())] * budget
-    for row in items:
+    for row in list(sens.keys) + list(sens.values):
         nxt = [(inf, ())] * (budget + 1)
         for c, (cost, picks) in enumerate(best):
             if cost == inf:
@@ -186,13 +185,35 @@ def allocate(sens: Sensitivity, mean_bits: float, head_dim: int) -> KVConfig:
                 if c + b <= budget and cost + item_cost < nxt[c + b][0]:
                     nxt[c + b] = (cost + item_cost, picks + (b,))
         best = nxt
-    _, picks = min(best, key=lambda x: (x[0], sum(x[1])))
+    return best
+
+
+def _config(sens: Sensitivity, best: list[tuple[float, tuple]], limit: int) -> KVConfig:
+    """The KVConfig of the least-cost entry of ``best`` within ``limit`` code bits."""
+    t, n = sens.template, sens.num_layers
+    _, picks = min(best[:limit + 1], key=lambda x: (x[0], sum(x[1])))
     pairs = list(zip(picks[:n], picks[n:], strict=True))
     common = max(set(pairs), key=lambda p: (pairs.count(p), p))  # the base; the rest override it
     overrides = tuple((i, _side(t.keys, kb), _side(t.values, vb))
                       for i, (kb, vb) in enumerate(pairs) if (kb, vb) != common)
     return t.replace(keys=_side(t.keys, common[0]), values=_side(t.values, common[1]),
                      skip_layers=(), layer_overrides=overrides)
+
+
+def allocate(sens: Sensitivity, mean_bits: float, head_dim: int) -> KVConfig:
+    """The per-layer bits of least summed cost whose mean effective bits (keys and values of
+    every layer, metadata counted) are at most ``mean_bits``; a KVConfig on ``sens.template``.
+
+    ValueError when ``mean_bits`` is below what the lowest bits cost."""
+    meta = _meta_bits(sens.template, head_dim)
+    lo, hi = min(sens.bits) + meta, max(sens.bits) + meta
+    if isinstance(mean_bits, bool) or not isinstance(mean_bits, (int, float)) or not math.isfinite(mean_bits):
+        raise ConfigTypeError(f"mean_bits={mean_bits!r}; allowed: a number from {lo:.3f} to {hi:.3f}")
+    if mean_bits < lo - 1e-9:
+        raise ValueError(f"mean_bits={mean_bits!r}; allowed: at least {lo:.3f} (every side at "
+                         f"{min(sens.bits)} bits with its scales)")
+    budget = _code_budget(sens, mean_bits, meta)
+    return _config(sens, _least_costs(sens, budget), budget)
 
 
 @dataclass(frozen=True)
@@ -233,11 +254,12 @@ def allocate_all_in(sens: Sensitivity, bits: float, *, kv_heads: int, head_dim: 
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not math.isfinite(bits):
         raise ConfigTypeError(f"bits={bits!r}; allowed: a number of bits per K/V element")
     check_budget(t, b0, bits, n, kv_heads, head_dim, context)
-    floor = min(b0 + (t.keys.effective_bits(head_dim) - t.keys.bits
-                      + t.values.effective_bits(head_dim) - t.values.bits) / 2, bits)
-    mean = float(bits)
-    while True:  # one code bit of one side of one layer less at a time
-        cfg = allocate(sens, max(mean, floor), head_dim)
-        if mean <= floor or all_in_bits(cfg, n, kv_heads, head_dim, context) <= bits + 1e-9:
+    meta = _meta_bits(t, head_dim)
+    floor = min(b0 + meta, bits)
+    top, least = _code_budget(sens, max(bits, floor), meta), _code_budget(sens, floor, meta)
+    best = _least_costs(sens, top)  # solved once: each smaller budget reads the same table
+    for limit in range(top, least, -1):  # one code bit of one side of one layer less at a time
+        cfg = _config(sens, best, limit)
+        if all_in_bits(cfg, n, kv_heads, head_dim, context) <= bits + 1e-9:
             return cfg
-        mean -= 1 / (2 * n)
+    return _config(sens, best, least)  # every side at the lowest bits (check_budget: it fits)
