@@ -157,7 +157,6 @@ def main(argv=None) -> int:
     from lessmem.eval.caches import CacheSpec
     from lessmem.eval.perplexity import evaluate
     from lessmem.kvcache import KVCache
-    from lessmem.plan.kv import kv_bytes
 
     model, tok = lessmem.load("smollm2-135m")
     text = TRAIN.read_text()
@@ -169,8 +168,9 @@ def main(argv=None) -> int:
     cands = {}
     for g in args.which.split(","):
         cands.update(groups[g])
-    for name, cfg in groups["mixed"].items():  # the allocations as files: --kv results/kv_configs/X.json
+    if groups["mixed"]:  # the allocations as files: --kv results/kv_configs/X.json
         KV_CONFIGS.mkdir(parents=True, exist_ok=True)
+    for name, cfg in groups["mixed"].items():
         (KV_CONFIGS / f"{name}.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
     def factory(kv):
         return lambda model_config: KVCache(model_config, kv)
@@ -186,11 +186,9 @@ def main(argv=None) -> int:
         row = {k: r.get(k) for k in ("config", "ppl", "delta_ppl_pct", "kld", "top1", "k_bits", "v_bits")}
         if cfg is not None:
             kb, vb = cfg.effective_bits(64, num_layers=_Dims.layers)
-            plan = kv_bytes(_Dims(), 4096, 1, cfg.to_plan(r["config"], num_layers=_Dims.layers))
-            plan8 = kv_bytes(_Dims(), 8192, 1, cfg.to_plan(r["config"], num_layers=_Dims.layers))
-            row.update(bits_avg=(kb + vb) / 2, compression_4k=plan["fp16"] / plan["total"],
-                       bits_4k=16 * plan["total"] / plan["fp16"], bits_8k=16 * plan8["total"] / plan8["fp16"],
-                       kv=cfg.to_dict())
+            bits_4k = all_in_bits(cfg, 4096)
+            row.update(bits_avg=(kb + vb) / 2, compression_4k=16 / bits_4k, bits_4k=bits_4k,
+                       bits_8k=all_in_bits(cfg, 8192), kv=cfg.to_dict())
             if r["config"] in groups["mixed"]:  # what the table predicts, costs summed over layers
                 row["predicted_kld"] = sens.cost(cfg)
         out.append(row)
