@@ -175,9 +175,8 @@ def test_quantize_a_model_on_cuda(config):
            "awq4": lambda: lessmem.AWQConfig(bits=4, group_size=64, n_samples=4, seq_len=64, n_grid=4),
            "smoothquant": lambda: lessmem.SmoothQuantConfig(n_samples=4, seq_len=64),
            "Q4_K_M-gptq": lambda: lessmem.GGUFConfig("Q4_K_M", gptq=True, n_samples=4, seq_len=64)}[config]
-    calib = {"calibration": torch.randint(3, 250, (4 * 64,), generator=torch.Generator().manual_seed(2))}
-    if not cfg().needs_calibration:
-        calib = {}
+    calib = ({"calibration": torch.randint(3, 250, (4 * 64,), generator=torch.Generator().manual_seed(2))}
+             if cfg().needs_calibration else {})
     cpu = tiny_random("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                       intermediate_size=512).eval()
     lessmem.quantize_(cpu, cfg(), progress=False, **calib)

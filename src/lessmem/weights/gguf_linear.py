@@ -96,7 +96,7 @@ class GGUFLinear(nn.Module):
                              f"{m.gguf_type.upper()} needs {tuple(m.qweight.shape)}")
         m.qweight.copy_(raw)
         if bias is not None:
-            m.bias.data = bias.detach().float().clone().reshape(-1).to(m.qweight.device)
+            m.bias.data = bias.detach().float().clone().reshape(-1)
         return m.to(raw.device if device is None else device)
 
     @classmethod

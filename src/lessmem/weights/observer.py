@@ -31,29 +31,35 @@ class Observer:
         self.k = in_features
         self.n = 0
         self.want_xtx = want_xtx
-        self.xtx = None
-        self._zeros(torch.device("cpu"))
+        # allocated by the first input, on its device (read before any: zeros on the CPU)
+        self.xtx = self.abs_sum = self._abs_max = None
         self.keep = keep
         self._kept: list[torch.Tensor] = []
         self._n_kept = 0
 
-    def _zeros(self, device: torch.device) -> None:
+    def _start(self, device: torch.device) -> None:
+        if self.abs_sum is not None:
+            return
         k = self.k
         self.xtx = torch.zeros(k, k, dtype=torch.float64, device=device) if self.want_xtx else None
         self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device)
-        self.abs_max = torch.zeros(k, device=device)
+        self._abs_max = torch.zeros(k, device=device)
+
+    @property
+    def abs_max(self) -> torch.Tensor:
+        self._start(torch.device("cpu"))  # (a linear no input reached, e.g. an unrouted expert)
+        return self._abs_max
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, self.k).float()
-        if self.n == 0 and x.device != self.abs_sum.device:
-            self._zeros(x.device)
+        self._start(x.device)
         self.n += x.shape[0]
         if self.xtx is not None:
             xd = x.double()
             self.xtx += xd.T @ xd
         a = x.abs()
         self.abs_sum += a.sum(0).double()
-        self.abs_max = torch.maximum(self.abs_max, a.amax(0))
+        self._abs_max = torch.maximum(self._abs_max, a.amax(0))
         if self._n_kept < self.keep:
             take = x[: self.keep - self._n_kept]
             self._kept.append(take.clone())
@@ -61,13 +67,15 @@ class Observer:
 
     def hessian(self) -> torch.Tensor:
         """H = 2/n · Σ x xᵀ  (float32 [K, K])."""
+        self._start(torch.device("cpu"))
         return (2.0 / max(self.n, 1) * self.xtx).float()
 
     def mean_abs(self) -> torch.Tensor:
+        self._start(torch.device("cpu"))
         return (self.abs_sum / max(self.n, 1)).float()
 
     def samples(self) -> torch.Tensor:
-        return torch.cat(self._kept) if self._kept else torch.zeros(0, self.k, device=self.abs_max.device)
+        return torch.cat(self._kept) if self._kept else torch.zeros(0, self.k)
 
 
 class StopForward(Exception):
