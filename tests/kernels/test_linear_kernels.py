@@ -246,6 +246,7 @@ def test_cpp_checks_build_messages_without_iostreams(monkeypatch):
         assert "LM_CHECK" in src, name
     seen = {}
     monkeypatch.setattr(_build, "load_cpp", lambda name, source, *a, **k: seen.setdefault(name, source))
+    monkeypatch.setattr(_build, "_FILES", {})  # load_cpp_file's memo of earlier answers
     _build.load_cpp_file("lessmem_linear", "linear.cpp", ["f"])
     head = _build.cpp_source(_build.CHECK_HEADER)
     assert seen["lessmem_linear"] == head + '\n#line 1 "linear.cpp"\n' + _build.cpp_source("linear.cpp")

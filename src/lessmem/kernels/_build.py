@@ -37,6 +37,9 @@ _MODULES: dict[str, object] = {}
 # cost a sha256 of the source each time (Python caches the hash of a str).
 _LOADED: dict[tuple, object] = {}
 _MISSING = object()
+# (name, file, package, functions, flags) -> module: load_cpp_file's answer without building
+# the source text again (a prepended header makes it a new, unhashed string each time)
+_FILES: dict[tuple, object] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,6 +96,12 @@ def load_cpp_file(name: str, filename: str, functions: list[str],
                   package: str = "lessmem.kernels"):
     """``load_cpp`` on the source file ``<package>/csrc/<filename>``; ``None`` (with one
     warning) when the file is missing, as when no compiler is available."""
+    if os.environ.get("LESSMEM_NO_CPP") == "1":
+        return None
+    key = (name, filename, package, tuple(functions), tuple(extra_cflags or ()), tuple(extra_ldflags or ()))
+    mod = _FILES.get(key, _MISSING)
+    if mod is not _MISSING:  # kernels ask on every call (30 layers a decode step): no string work
+        return mod
     try:
         # the argument-check macros first (csrc/lm_check.h says why), then the file, its
         # line numbers kept for compiler messages
@@ -103,7 +112,8 @@ def load_cpp_file(name: str, filename: str, functions: list[str],
             _NO_FILE.add((package, filename))
             _warn(name, exc)
         return None
-    return load_cpp(name, source, functions, extra_cflags, extra_ldflags)
+    mod = _FILES[key] = load_cpp(name, source, functions, extra_cflags, extra_ldflags)
+    return mod
 
 
 def load_cpp(name: str, source: str, functions: list[str], extra_cflags: list[str] | None = None,
