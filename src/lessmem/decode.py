@@ -120,17 +120,56 @@ def _proj(m):
     return m.forward
 
 
-def _norm(m):
-    """RMSNorm as a callable: one ``torch.rms_norm`` for float32, else transformers' steps
-    (the same numbers: tested bit for bit)."""
+def _glue():
+    """The C++ module with the step's glue (``gguf_linear_multi``, ``rms_norm_rows``,
+    ``rope_rows``: csrc/gguf_linear.cpp), or None without a compiler."""
+    from .kernels import gguf_linear_cpp
+
+    return gguf_linear_cpp._mod()
+
+
+def _norm(m, glue=None):
+    """RMSNorm as a callable: for float32 CPU tensors one C++ call (``rms_norm_rows``), else
+    one ``torch.rms_norm`` for float32, else transformers' steps (the same numbers: tested
+    bit for bit)."""
     params, eps = m._parameters, m.variance_epsilon
 
     def norm(x):
         w = params["weight"]
         if w.dtype == torch.float32 and x.dtype == torch.float32:
+            if glue is not None and x.device.type == "cpu" and w.device.type == "cpu":
+                return glue.rms_norm_rows(x, w, eps)  # torch.rms_norm is seven ops: ~20 µs here
             return F.rms_norm(x, (w.shape[-1],), w, eps)
         return _rms_steps(x, w, eps)
     return norm
+
+
+def _multi(mods, glue):
+    """Several ``GGUFLinear`` of one input as one C++ call (``gguf_linear_multi``: one
+    parallel region, x quantized once; the same columns bit for bit): a callable x -> y
+    [..., ΣN] or None (then: call them one by one) when the modules are not all GGUFLinear
+    or there is no C++ module. The callable itself answers None for a call it does not
+    take (not float32 on the CPU, more rows than the fused kernel, mixed int8 flags)."""
+    from .weights.gguf_linear import GGUFLinear
+    from .weights.qlinear import FUSED_MAX_ROWS
+
+    if glue is None or not all(type(m) is GGUFLinear for m in mods):
+        return None
+    bufs = [m._buffers for m in mods]
+    params = [m._parameters for m in mods]
+    ids = [m._type.ggml_id for m in mods]
+    ns = [m.out_features for m in mods]
+    fused_max = FUSED_MAX_ROWS * mods[0].in_features
+
+    def call(x):
+        flags = {m.int8_activations for m in mods}
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() > fused_max or len(flags) > 1:
+            return None
+        ws = [b["qweight"] for b in bufs]
+        if any(w.device.type != "cpu" for w in ws):
+            return None
+        return glue.gguf_linear_multi(x, ws, ids, ns, [p.get("bias") for p in params], flags.pop())
+    return call
 
 
 def _rms_steps(x, w, eps):
@@ -142,15 +181,17 @@ def _rms_steps(x, w, eps):
 
 class _Layer:
     __slots__ = ("ln1", "ln2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm",
-                 "hq", "hkv", "d", "scale", "idx")
+                 "qkv", "gate_up", "hq", "hkv", "d", "scale", "idx")
 
-    def __init__(self, layer, idx: int, cfg):
+    def __init__(self, layer, idx: int, cfg, glue=None):
         a, m = layer.self_attn, layer.mlp
-        self.ln1, self.ln2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.ln1, self.ln2 = _norm(layer.input_layernorm, glue), _norm(layer.post_attention_layernorm, glue)
         self.q, self.k, self.v, self.o = (_proj(a.q_proj), _proj(a.k_proj), _proj(a.v_proj), _proj(a.o_proj))
         self.gate, self.up, self.down = _proj(m.gate_proj), _proj(m.up_proj), _proj(m.down_proj)
-        self.q_norm = _norm(a.q_norm) if hasattr(a, "q_norm") else None
-        self.k_norm = _norm(a.k_norm) if hasattr(a, "k_norm") else None
+        self.qkv = _multi((a.q_proj, a.k_proj, a.v_proj), glue)
+        self.gate_up = _multi((m.gate_proj, m.up_proj), glue)
+        self.q_norm = _norm(a.q_norm, glue) if hasattr(a, "q_norm") else None
+        self.k_norm = _norm(a.k_norm, glue) if hasattr(a, "k_norm") else None
         self.d = int(a.head_dim)
         self.hq = cfg.num_attention_heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -189,9 +230,10 @@ class LeanDecode:
 
         model = self.model
         inner = model.model
-        self._layers = [_Layer(layer, i, model.config) for i, layer in enumerate(inner.layers)]
+        glue = self._glue = _glue()
+        self._layers = [_Layer(layer, i, model.config, glue) for i, layer in enumerate(inner.layers)]
         self._embed = inner.embed_tokens
-        self._norm = _norm(inner.norm)
+        self._norm = _norm(inner.norm, glue)
         self._head = _proj(model.lm_head)
         self._rotary = inner.rotary_emb
         # what the step depends on, checked on every call: (parent, child name, child)
@@ -269,17 +311,28 @@ class LeanDecode:
         half = cos.shape[-1] // 2
         cos = cos.unsqueeze(1)  # [B, 1, 1, D] against [B, heads, 1, D]
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
+        glue = self._glue if x.dtype == torch.float32 and x.device.type == "cpu" else None
         for L in self._layers:
             h = L.ln1(x)
-            q = L.q(h).view(B, L.hq, 1, L.d)
-            k = L.k(h).view(B, L.hkv, 1, L.d)
-            v = L.v(h).view(B, L.hkv, 1, L.d)
+            y = L.qkv(h) if L.qkv is not None else None  # q, k and v in one call
+            if y is not None:
+                nq, nk = L.hq * L.d, L.hkv * L.d
+                q = y[..., :nq].view(B, L.hq, 1, L.d)
+                k = y[..., nq:nq + nk].view(B, L.hkv, 1, L.d)
+                v = y[..., nq + nk:].view(B, L.hkv, 1, L.d)
+            else:
+                q = L.q(h).view(B, L.hq, 1, L.d)
+                k = L.k(h).view(B, L.hkv, 1, L.d)
+                v = L.v(h).view(B, L.hkv, 1, L.d)
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
-            qk = torch.cat([q, k], dim=1)  # rotate both in one go
-            swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
-            qk = qk * cos + swapped * sin  # = transformers' q·cos + rotate_half(q)·sin, bit for bit
-            q, k = qk[:, :L.hq], qk[:, L.hq:]
+            if glue is not None:  # = transformers' q·cos + rotate_half(q)·sin, bit for bit
+                q, k = glue.rope_rows(q, cos, sin), glue.rope_rows(k, cos, sin)
+            else:
+                qk = torch.cat([q, k], dim=1)  # rotate both in one go
+                swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
+                qk = qk * cos + swapped * sin  # (sin sign-folded above)
+                q, k = qk[:, :L.hq], qk[:, L.hq:]
             kv, vv = _dynamic_append(cache.layers[L.idx], k, v) if dynamic else cache.update(k, v, L.idx)
             if hasattr(kv, "attend"):  # a lessmem layer view: the fused kernel over its blocks
                 a = kv.attend(q, None, L.scale)
@@ -287,7 +340,12 @@ class LeanDecode:
                 a = F.scaled_dot_product_attention(q, kv, vv, scale=L.scale, enable_gqa=L.hq != L.hkv)
             x = x + L.o(a.reshape(B, 1, L.hq * L.d))
             h = L.ln2(x)
-            x = x + L.down(F.silu(L.gate(h)) * L.up(h))
+            y = L.gate_up(h) if L.gate_up is not None else None
+            if y is not None:
+                n = y.shape[-1] // 2
+                x = x + L.down(F.silu(y[..., :n]) * y[..., n:])
+            else:
+                x = x + L.down(F.silu(L.gate(h)) * L.up(h))
         return self._head(self._norm(x))
 
 

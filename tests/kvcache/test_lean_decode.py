@@ -82,6 +82,38 @@ def test_gguf_weights_int8_activations():
         assert handle.steps == len(STEPS) and torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_mix_in_one_call_per_projection_group(arch):
+    """q/k/v and gate/up as one C++ call each (``gguf_linear_multi``), RMSNorm and the
+    rotary embedding in C++: bit-identical with a K-quant mix (v and down in Q6_K), Qwen2's
+    q/k/v biases, three rows, both activation paths; without the C++ module the step still
+    runs, with the same logits."""
+    from lessmem.weights.gguf_linear import set_int8_activations
+
+    model = tiny_random(arch, hidden_size=256, intermediate_size=512)
+    lessmem.quantize_(model, lessmem.GGUFConfig("Q4_K_M"))
+    types = {m.gguf_type for m in model.modules() if hasattr(m, "gguf_type")}
+    assert {"q4_k", "q6_k"} <= types, types
+    prompt = torch.randint(3, 250, (3, 20), generator=torch.Generator().manual_seed(4))
+    for int8 in (False, True):
+        set_int8_activations(model, int8)
+        for kind in ("dynamic", "best-4"):
+            ref, _ = _decode(model, _cache(model, kind), lean=False, prompt=prompt)
+            got, handle = _decode(model, _cache(model, kind), lean=True, prompt=prompt)
+            assert handle.steps == len(STEPS) and torch.equal(got, ref), (int8, kind)
+            if handle._glue is not None:  # the C++ glue was built: it was the path taken
+                assert all(L.qkv is not None and L.gate_up is not None for L in handle._layers)
+    import lessmem.decode as dec
+
+    real = dec._glue
+    dec._glue = lambda: None
+    try:
+        got, handle = _decode(model, _cache(model, "best-4"), lean=True, prompt=prompt)
+    finally:
+        dec._glue = real
+    assert handle._layers[0].qkv is None and torch.equal(got, ref)
+
+
 def test_batch_rows():
     model = tiny_random("llama")
     prompt = torch.randint(3, 250, (3, 20), generator=torch.Generator().manual_seed(2))

@@ -62,7 +62,8 @@ _SOURCE_FILE = "gguf_linear.cpp"
 # ``GGUF_TYPES`` and the non-linear 4-bit IQ4_NL / IQ4_XS (``formats.gguf_iquants``).
 KERNEL_TYPES = (*GGUF_TYPES, "iq4_nl", "iq4_xs")
 
-_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "register_ops"]
+_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "register_ops", "gguf_linear_multi",
+          "rms_norm_rows", "rope_rows"]
 _FLAGS = ["-ffp-contract=off"]  # decoders must not fuse d*q + m into one rounding
 
 

@@ -309,42 +309,57 @@ static inline void row_dot(const uint8_t* row, const float* xp, int64_t nb, floa
   }
 }
 
+// The chunks of input rows (8 at a time, then 4, 2, 1) and x re-laid per chunk as
+// [block][row][QK]: the rows' slices of one block are contiguous (rows K floats apart share
+// L1 sets when K is a multiple of 1024: 4x slower at 8 rows). One layout serves every
+// weight that multiplies the same x (gguf_linear_multi).
+struct XRows {
+  std::vector<std::pair<int64_t, int>> chunks;
+  std::vector<float> xp;
+  const float* xs = nullptr;
+  XRows(const float* x, int64_t M, int64_t K, int64_t QK) {
+    const int64_t nb = K / QK;
+    for (int64_t m0 = 0; m0 < M;) {
+      const int size = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
+      chunks.emplace_back(m0, size);
+      m0 += size;
+    }
+    if (M > 1) {
+      xp.resize(M * K);
+      for (const auto& ch : chunks)
+        for (int64_t ib = 0; ib < nb; ++ib)
+          for (int m = 0; m < ch.second; ++m)
+            std::memcpy(&xp[ch.first * K + (ib * ch.second + m) * QK], x + (ch.first + m) * K + ib * QK,
+                        QK * sizeof(float));
+    }
+    xs = M > 1 ? xp.data() : x;
+  }
+};
+
+// weight rows [n0, n1) of one weight against every input row: y[m * ldy + n]
 template <int T>
-static void fused_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+static void fused_rows(const XRows& X, const uint8_t* w, float* y, int64_t ldy, int64_t K, int64_t n0, int64_t n1) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS;
   const int64_t nb = K / QK, rb = nb * TS;
-  // chunks of input rows: 8 at a time, then 4, 2, 1 for the rest
-  std::vector<std::pair<int64_t, int>> chunks;
-  for (int64_t m0 = 0; m0 < M;) {
-    const int size = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
-    chunks.emplace_back(m0, size);
-    m0 += size;
-  }
-  // x re-laid per chunk as [block][row][QK]: the rows' slices of one block are contiguous
-  // (rows K floats apart share L1 sets when K is a multiple of 1024: 4x slower at 8 rows)
-  std::vector<float> xp(M > 1 ? M * K : 0);
-  if (M > 1)
-    for (const auto& ch : chunks)
-      for (int64_t ib = 0; ib < nb; ++ib)
-        for (int m = 0; m < ch.second; ++m)
-          std::memcpy(&xp[ch.first * K + (ib * ch.second + m) * QK], x + (ch.first + m) * K + ib * QK,
-                      QK * sizeof(float));
-  const float* xs = M > 1 ? xp.data() : x;
-  parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) {
-    float out[8];
-    for (int64_t n = n0; n < n1; ++n)
-      for (const auto& ch : chunks) {
-        const uint8_t* row = w + n * rb;
-        const float* xc = xs + ch.first * K;
-        switch (ch.second) {
-          case 8: row_dot<T, 8>(row, xc, nb, out); break;
-          case 4: row_dot<T, 4>(row, xc, nb, out); break;
-          case 2: row_dot<T, 2>(row, xc, nb, out); break;
-          default: row_dot<T, 1>(row, xc, nb, out);
-        }
-        for (int m = 0; m < ch.second; ++m) y[(ch.first + m) * N + n] = out[m];
+  float out[8];
+  for (int64_t n = n0; n < n1; ++n)
+    for (const auto& ch : X.chunks) {
+      const uint8_t* row = w + n * rb;
+      const float* xc = X.xs + ch.first * K;
+      switch (ch.second) {
+        case 8: row_dot<T, 8>(row, xc, nb, out); break;
+        case 4: row_dot<T, 4>(row, xc, nb, out); break;
+        case 2: row_dot<T, 2>(row, xc, nb, out); break;
+        default: row_dot<T, 1>(row, xc, nb, out);
       }
-  });
+      for (int m = 0; m < ch.second; ++m) y[(ch.first + m) * ldy + n] = out[m];
+    }
+}
+
+template <int T>
+static void fused_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const XRows X(x, M, K, Traits<T>::QK);
+  parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) { fused_rows<T>(X, w, y, N, K, n0, n1); });
 }
 
 // ---------------------------------------------------------------- int8 activations
@@ -436,18 +451,27 @@ static inline float row_dot_q8(const uint8_t* row, const int8_t* xq, const float
 #endif
 }
 
+// x quantized once (quantize_x_q8) for every weight that multiplies it
+struct XQ8 {
+  std::vector<int8_t> q; std::vector<float> d, s;
+  XQ8(const float* x, int64_t M, int64_t K) : q(M * K), d(M * (K / 32)), s(M * (K / 32)) {
+    quantize_x_q8(x, M, K, q.data(), d.data(), s.data());
+  }
+};
+
+template <int T>
+static void fused_q8_rows(const XQ8& X, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
+                          int64_t n1) {
+  const int64_t nb = K / 32, rb = nb * Traits<T>::TS;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m)
+      y[m * ldy + n] = row_dot_q8<T>(w + n * rb, X.q.data() + m * K, X.d.data() + m * nb, X.s.data() + m * nb, nb);
+}
+
 template <int T>
 static void fused_q8_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  constexpr int TS = Traits<T>::TS;
-  const int64_t nb = K / 32, rb = nb * TS;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nb), xs(M * nb);
-  quantize_x_q8(x, M, K, xq.data(), xd.data(), xs.data());
-  parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m)
-        y[m * N + n] = row_dot_q8<T>(w + n * rb, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, nb);
-  });
+  const XQ8 X(x, M, K);
+  parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) { fused_q8_rows<T>(X, w, y, N, M, K, n0, n1); });
 }
 
 template <int T>
@@ -566,6 +590,132 @@ static torch::Tensor op_gguf_linear(const torch::Tensor& x, const torch::Tensor&
 static torch::Tensor op_gguf_dequantize(const torch::Tensor& raw, int64_t type, int64_t N, int64_t K) {
   check_raw(raw, type, N, K, "gguf_dequantize");
   return gguf_dequantize(raw, type, N, K);
+}
+
+// ---------------------------------------------------------------- a decode step's glue
+// What the lean decode step (lessmem/decode.py) calls between the weight kernels, each one
+// C++ call where torch eager spends a dispatch per tensor op (RMSNorm alone is seven).
+
+// Several weights that multiply the same x (q, k, v; gate, up) in one call and one parallel
+// region: y [..., ΣN] float32, weight i's outputs in columns [ΣN_<i, ΣN_≤i). Each weight row
+// runs the same kernel, with the same x rounding, as its own gguf_linear(_q8) call, so the
+// columns equal those calls bit for bit; x is converted (and quantized to int8) once.
+torch::Tensor gguf_linear_multi(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
+                                std::vector<int64_t> Ns, std::vector<std::optional<torch::Tensor>> biases,
+                                bool int8_activations) {
+  const size_t S = ws.size();
+  LM_CHECK_VALUE(S > 0 && types.size() == S && Ns.size() == S && biases.size() == S,
+                 "gguf_linear_multi: one type, out_features and bias per weight (", S, " weights)");
+  LM_CHECK_VALUE(x.scalar_type() == torch::kFloat32 && x.dim() >= 1 && x.is_cpu(),
+                 "gguf_linear_multi: x dtype ", x.scalar_type(), "; allowed: float32 [..., K] on the CPU");
+  auto shape = x.sizes().vec();
+  const int64_t K = shape.back(), M = K > 0 ? x.numel() / K : 0;
+  std::vector<int64_t> off(S + 1, 0);
+  std::vector<torch::Tensor> bs(S);
+  for (size_t i = 0; i < S; ++i) {
+    check_raw(ws[i], types[i], Ns[i], K, "gguf_linear_multi");
+    LM_CHECK_VALUE(ws[i].is_cpu(), "gguf_linear_multi: weight ", (int64_t)i, " is not on the CPU");
+    ws[i] = ws[i].contiguous();
+    off[i + 1] = off[i] + Ns[i];
+    if (biases[i].has_value()) {
+      LM_CHECK_VALUE(biases[i]->numel() == Ns[i], "gguf_linear_multi: bias ", (int64_t)i, " has ",
+                     biases[i]->numel(), " values; allowed: None or out_features = ", Ns[i]);
+      bs[i] = biases[i]->to(torch::kFloat32).contiguous();
+    }
+  }
+  auto x2 = x.contiguous();
+  const float* xp = x2.data_ptr<float>();
+  const int64_t ldy = off[S];
+  shape.back() = ldy;
+  auto y = torch::empty(shape, x2.options());
+  float* yp = y.data_ptr<float>();
+  // the x layouts the weights need, made once each: int8 blocks, float rows by block size
+  bool any_q8 = false, any32 = false, any256 = false;
+  std::vector<int> q8(S);
+  for (size_t i = 0; i < S; ++i) {
+    q8[i] = int8_activations && gguf_q8_supported(types[i]);
+    any_q8 |= (bool)q8[i];
+    if (!q8[i]) { int64_t qk, ts; traits_of(types[i], qk, ts); (qk == 32 ? any32 : any256) = true; }
+  }
+  std::unique_ptr<XQ8> xq(any_q8 ? new XQ8(xp, M, K) : nullptr);
+  std::unique_ptr<XRows> x32(any32 ? new XRows(xp, M, K, 32) : nullptr), x256(any256 ? new XRows(xp, M, K, 256) : nullptr);
+  // work items: chunks of 16 rows of each weight, one parallel region over all of them
+  std::vector<std::pair<int, int64_t>> items;
+  for (size_t i = 0; i < S; ++i)
+    for (int64_t n0 = 0; n0 < Ns[i]; n0 += 16) items.emplace_back((int)i, n0);
+  auto run = [&](int64_t a, int64_t b) {
+    for (int64_t it = a; it < b; ++it) {
+      const int i = items[it].first;
+      const int64_t n0 = items[it].second, n1 = std::min(Ns[i], n0 + 16), type = types[i];
+      const uint8_t* w = ws[i].data_ptr<uint8_t>();
+      float* yi = yp + off[i];
+      if (q8[i]) {
+        switch (type) {
+          case Q4_0: fused_q8_rows<Q4_0>(*xq, w, yi, ldy, M, K, n0, n1); break;
+          case Q4_1: fused_q8_rows<Q4_1>(*xq, w, yi, ldy, M, K, n0, n1); break;
+          default: fused_q8_rows<Q8_0>(*xq, w, yi, ldy, M, K, n0, n1);
+        }
+      } else {
+        int64_t qk, ts; traits_of(type, qk, ts);
+        const XRows& X = qk == 32 ? *x32 : *x256;
+        DISPATCH(fused_rows, X, w, yi, ldy, K, n0, n1)
+      }
+      if (bs[i].defined())
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = n0; n < n1; ++n) yi[m * ldy + n] += bs[i].data_ptr<float>()[n];
+    }
+  };
+  const int64_t work = ldy * K * M, n_items = (int64_t)items.size();
+  if (at::get_num_threads() == 1 || work < PAR_MIN_WORK || n_items < 2) run(0, n_items);
+  else at::parallel_for(0, n_items, 1, run);
+  return y;
+}
+
+// RMSNorm of float32 rows x [..., H] with weight w [H]: w · (x · rsqrt(mean(x²) + eps)),
+// the float32 steps of transformers' LlamaRMSNorm (and torch.rms_norm) in their order; the
+// mean is torch's own reduction (at::mean), so the sums, and the result, are bit-identical.
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
+  LM_CHECK_VALUE(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && x.dim() >= 1
+                 && w.dim() == 1 && w.size(0) == x.size(-1) && x.is_cpu() && w.is_cpu(),
+                 "rms_norm_rows: x must be float32 [..., H] and w float32 [H], on the CPU");
+  auto xc = x.contiguous();
+  auto var = at::mean(xc * xc, {-1}, true);  // x.pow(2) is x * x, exactly
+  auto out = torch::empty_like(xc);
+  const int64_t H = xc.size(-1), R = H > 0 ? xc.numel() / H : 0;
+  const float* xp = xc.data_ptr<float>(); const float* vp = var.data_ptr<float>();
+  auto wc = w.contiguous();
+  const float* wp = wc.data_ptr<float>(); float* op = out.data_ptr<float>();
+  const float e = (float)eps;
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = 1.f / std::sqrt(vp[r] + e);
+    for (int64_t h = 0; h < H; ++h) op[r * H + h] = wp[h] * (xp[r * H + h] * inv);
+  }
+  return out;
+}
+
+// The rotary embedding of queries or keys x [B, n, 1, D] (made contiguous first): x·cos + swap(x)·sin with swap the two halves exchanged
+// and sin sign-folded ([-sin_lo, sin_hi]), cos/sin [B, 1, 1, D] (or [B, 1, D]): the
+// multiplies and the add of transformers' q·cos + rotate_half(q)·sin, one rounding each.
+torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  LM_CHECK_VALUE(x.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32
+                 && sin.scalar_type() == torch::kFloat32 && x.dim() == 4 && x.size(2) == 1
+                 && x.is_cpu() && cos.is_cpu() && sin.is_cpu(),
+                 "rope_rows: x must be float32 [B, heads, 1, D] and cos/sin float32, on the CPU");
+  const int64_t B = x.size(0), H = x.size(1), D = x.size(3), half = D / 2;
+  LM_CHECK_VALUE(cos.numel() == B * D && sin.numel() == B * D && D % 2 == 0,
+                 "rope_rows: cos and sin must hold B x D = ", B * D, " values (D even)");
+  auto xc = x.contiguous(); auto cc = cos.contiguous(); auto sc = sin.contiguous();
+  auto out = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>(); const float* cp = cc.data_ptr<float>(); const float* sp = sc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* r = xp + (b * H + h) * D; float* o = op + (b * H + h) * D;
+      const float* c = cp + b * D; const float* s = sp + b * D;
+      for (int64_t d = 0; d < half; ++d) o[d] = r[d] * c[d] + r[d + half] * s[d];
+      for (int64_t d = half; d < D; ++d) o[d] = r[d] * c[d] + r[d - half] * s[d];
+    }
+  return out;
 }
 
 static std::unique_ptr<torch::Library> cpu_impls;
