@@ -215,7 +215,7 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     else:
         path = Path(name).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            model, tok = _load_gguf(path, dtype, weights)
+            model, tok = _load_gguf(path, dtype, weights, meta_cache=_file_meta_dir(path))
         elif path.is_dir() and (path / QUANT_MARKER).exists():
             model, tok = _load_quantized_checkpoint(path)
         elif path.is_dir():
@@ -364,6 +364,21 @@ def _meta_dir(spec: BuiltinModel) -> Path:
     return cache_dir("models") / f"{spec.alias}-{spec.sha256[:12]}-meta"
 
 
+def _file_meta_dir(path: Path) -> Path | None:
+    """Where the config and tokenizer of the ``.gguf`` file at ``path`` are kept once read:
+    named by the file's absolute path, size and modification time, so a rewritten file is
+    read again. transformers reads them by parsing the whole file's metadata (on the
+    built-in model ~170 MiB of Python objects for a moment, and seconds), which then sets the
+    load's peak memory; later loads read two small JSON files. None where the file cannot
+    be stat'ed."""
+    try:
+        st = path.resolve().stat()
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir("models") / f"gguf-meta-{key}"
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cache: Path | None = None):
     """Load a GGUF file, after checking its header: a truncated or damaged file raises
     ``ValueError("not a valid GGUF file: <path>: ...")`` up front, where transformers would
@@ -389,6 +404,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
             config = AutoConfig.from_pretrained(src, **skw)
             if meta_cache is not None and not cached:
                 _save_meta(config, tok, meta_cache)
+            from .base.cpu import trim_heap
+
+            trim_heap()  # what parsing freed goes back before the blocks are mapped
             return load_gguf_blocks(path, dtype, config=config), tok
         if weights == "stored":
             print(f"lessmem: {path.name}: architecture {arch!r} is read by transformers as float "

@@ -192,7 +192,8 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8
         rows = raw.view(shape[0], -1)
         sub = module_name.split(".", 3)[-1] if module_name.startswith("model.layers.") else ""
         if arch in _PERMUTED and sub in heads:
-            rows = permute_rows(rows, heads[sub])
+            # read, not mapped: the mapped pages would stay in the RSS beside the copy
+            rows = permute_rows(_read_bytes(path, info.offset, info.nbytes).view(shape[0], -1), heads[sub])
             report["bytes_copied"] += rows.numel()
         else:
             report["bytes_mapped"] += rows.numel()
@@ -225,6 +226,17 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8
             raise ValueError(f"{path}: nothing in the file sets {n} (architecture {arch})")
     model._lessmem_gguf = report
     return model.eval()
+
+
+def _read_bytes(path, offset: int, n: int) -> torch.Tensor:
+    """``n`` bytes of the file at ``offset`` as a uint8 tensor (a read into new memory)."""
+    buf = torch.empty(n, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(buf.numpy())
+    if got != n:
+        raise ValueError(f"{path}: the file ends {n - got} bytes before the tensor at offset {offset} does")
+    return buf
 
 
 def _float_tensor(raw: torch.Tensor, info, shape, report: dict, name: str) -> torch.Tensor:
