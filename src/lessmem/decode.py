@@ -8,11 +8,14 @@ much time as the fused weight kernels themselves. ``lean_decode(model)`` replace
 decode steps only, the model's forward with a straight walk over its layers that calls
 the same weights and the same cache:
 
-- RMSNorm as one ``torch.rms_norm`` (float32 models; other dtypes follow transformers'
-  float32 round trip), the rotary embedding on a sign-folded sine (bit-identical to transformers'),
-  queries and keys rotated in one go;
+- RMSNorm as one call (float32 on the CPU: ``rms_norm_rows`` in C++, elsewhere
+  ``torch.rms_norm``; other dtypes follow transformers' float32 round trip), the rotary
+  embedding on a sign-folded sine (``rope_rows`` in C++ on the CPU), bit-identical to
+  transformers';
 - each projection called directly: a ``GGUFLinear`` through its op
-  (``torch.ops.lessmem.gguf_linear``), anything else as its module;
+  (``torch.ops.lessmem.gguf_linear``), anything else as its module; on the CPU, q/k/v and
+  gate/up of ``GGUFLinear`` layers as one C++ call each (``gguf_linear_multi``: one
+  parallel region instead of three or two, the same columns bit for bit);
 - attention straight from the cache: a lessmem cache's layer view (``attend``, the fused
   kernel over quantized blocks) or, for ``DynamicCache``, one SDPA call with GQA over its
   layer, which grows in place (``_dynamic_append``) instead of being copied whole each step;
