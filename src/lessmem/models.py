@@ -190,7 +190,9 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
       checked against its sha256, cached under ``$LESSMEM_CACHE/models``; the model
       transformers dequantizes from the GGUF file is cached there as safetensors too,
       so later loads skip the GGUF dequantization;
-    - a path to a ``.gguf`` file;
+    - a path to a ``.gguf`` file (with ``weights="stored"``, the config and tokenizer
+      transformers reads from its metadata are kept under ``$LESSMEM_CACHE/models`` after
+      the first load, named by the file's path, size and modification time);
     - a HF model directory, or a lessmem quantized checkpoint directory (one that holds
       ``lessmem_quant.json``, loaded by ``lessmem.weights.checkpoint.load_quantized``);
     - a HF hub id such as ``"org/name"`` (only where a hub is reachable).
