@@ -482,6 +482,7 @@ CHECKS = {  # benchmark script -> checker of the JSON it writes
 RECORDED = {  # recorded full-run result -> its benchmark
     "e2e.json": "bench_e2e.py",
     "e2e_16k.json": "bench_e2e.py",
+    "e2e_512.json": "bench_e2e.py",  # 512 tokens only, run just before e2e.json at the same commit
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     "bench_linear.json": "bench_linear.py",
