@@ -48,6 +48,8 @@ Example:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -242,6 +244,11 @@ class LeanDecode:
         # what the step depends on, checked on every call: (parent, child name, child)
         self._parts = [(p, n, c) for p in model.modules() for n, c in p._modules.items() if c is not None]
         self._modules = [model, *(c for _, _, c in self._parts)]
+        # the same, as flat lists the per-step check walks in C (map/any): 400 modules
+        # checked one by one in Python took ~200 µs a step
+        self._slots = ([p._modules for p, _, _ in self._parts], [n for _, n, _ in self._parts],
+                       [c for _, _, c in self._parts])
+        self._hooks = [d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         fields = CausalLMOutputWithPast.__dataclass_fields__
         self._out_cls = CausalLMOutputWithPast
         self._cache_field = "cache" if "cache" in fields else "past_key_values"
@@ -294,11 +301,11 @@ class LeanDecode:
 
         if _m._global_forward_hooks or _m._global_forward_pre_hooks:
             return False
-        if self._parts is None or any(p._modules.get(n) is not c for p, n, c in self._parts):
+        if self._parts is None or any(map(operator.is_not, map(dict.get, *self._slots[:2]), self._slots[2])):
             if why_not(self.model) is not None:
                 return False
             self._build()
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+        return not any(self._hooks)  # (registering a hook fills the module's own dict)
 
     # ---- the step -----------------------------------------------------------------
     @torch.no_grad()
