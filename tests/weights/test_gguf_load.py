@@ -161,3 +161,36 @@ def test_builtin_model_loads_without_inflating():
         set_int8_activations(model, True)
         out = model.generate(ids, max_new_tokens=8, do_sample=False, temperature=None, top_p=None, top_k=None)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_gguf_path_keeps_its_config_and_tokenizer(tmp_path, monkeypatch):
+    """``lessmem.load(path.gguf)`` parses the file's metadata through transformers once, then
+    reads the kept config and tokenizer (the parse set the load's peak memory); a file
+    rewritten since is parsed again; the model and tokenizer are the same either way."""
+    import os
+
+    import transformers
+    from _gguf_files import tiny_gguf
+
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf(path, tiny_random("llama"))
+    parses = []
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def counting(cls, *a, **k):
+        parses.append("gguf_file" in k)
+        return real(cls, *a, **k)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(counting))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    outs = []
+    for _ in range(2):
+        model, tok = lessmem.load(str(path))
+        with torch.no_grad():
+            outs.append((model(ids).logits, tok("hello world").input_ids))
+    assert parses == [True, False]
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
+    assert len(list((tmp_path / "cache" / "models").glob("gguf-meta-*"))) == 1
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    lessmem.load(str(path))
+    assert parses == [True, False, True]
