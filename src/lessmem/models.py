@@ -348,7 +348,16 @@ def _dequantized_dir(spec: BuiltinModel, dtype: torch.dtype) -> Path:
 
 def _load_builtin(spec: BuiltinModel, dtype: torch.dtype, weights: str = "float"):
     if weights == "stored":
-        return _load_gguf(builtin_gguf(spec.alias), dtype, weights, meta_cache=_meta_dir(spec))
+        from lessmem.formats.gguf_file import read_gguf_header
+        from lessmem.weights.gguf_load import ARCHS
+
+        path = builtin_gguf(spec.alias)
+        arch = str(read_gguf_header(path).metadata.get("general.architecture", ""))
+        if arch in ARCHS:
+            return _load_gguf(path, dtype, weights, meta_cache=_meta_dir(spec))
+        # float weights either way: the cached float copy below, not the GGUF parsed again
+        print(f"lessmem: {spec.member}: architecture {arch!r} is read as float weights (lessmem "
+              f"keeps the blocks of: {', '.join(ARCHS)})", file=sys.stderr)
     saved = _dequantized_dir(spec, dtype)
     if (saved / "complete.json").exists():
         try:

@@ -146,7 +146,7 @@ def test_lecture_command_cpu_time_under_10_s(tmp_path):
     (["--groups", "abc"], "--groups abc: allowed: comma-separated group sizes"),
     (["--tensor", "blk.0.attn_q.weight"], "--tensor blk.0.attn_q.weight: needs --model"),
     (["--list-tensors"], "--list-tensors: needs --model"),
-    (["--model", "gpt-5", "--tensor", "x"], "--model gpt-5: allowed: a built-in alias (smollm2-135m)"),
+    (["--model", "gpt-5", "--tensor", "x"], "--model gpt-5: allowed: a built-in alias (smollm2-135m, gemma3-270m)"),
     (["--model", "smollm2-135m"], "--model smollm2-135m: needs --tensor NAME"),
     (["--formats", "q9_9"], "--formats q9_9: unknown q9_9"),
     (["--group", "48"], "--group 48: does not divide the 1024 columns"),
