@@ -355,9 +355,7 @@ def _load_builtin(spec: BuiltinModel, dtype: torch.dtype, weights: str = "float"
         arch = str(read_gguf_header(path).metadata.get("general.architecture", ""))
         if arch in ARCHS:
             return _load_gguf(path, dtype, weights, meta_cache=_meta_dir(spec))
-        # float weights either way: the cached float copy below, not the GGUF parsed again
-        print(f"lessmem: {spec.member}: architecture {arch!r} is read as float weights (lessmem "
-              f"keeps the blocks of: {', '.join(ARCHS)})", file=sys.stderr)
+        _float_notice(spec.member, arch)  # the cached float copy below, not the GGUF parsed again
     saved = _dequantized_dir(spec, dtype)
     if (saved / "complete.json").exists():
         try:
@@ -413,10 +411,11 @@ def _file_meta_dir(path: Path) -> Path | None:
     load's peak memory; later loads read two small JSON files. None where the file cannot
     be stat'ed."""
     try:
-        st = path.resolve().stat()
+        full = path.resolve()
+        st = full.stat()
     except OSError:
         return None
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{full}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_dir("models") / f"gguf-meta-{key}"
 
 
@@ -450,8 +449,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
             trim_heap()  # what parsing freed goes back before the blocks are mapped
             return load_gguf_blocks(path, dtype, config=config), tok
         if weights == "stored":
-            print(f"lessmem: {path.name}: architecture {arch!r} is read by transformers as float "
-                  f"weights (lessmem keeps the blocks of: {', '.join(ARCHS)})", file=sys.stderr)
+            _float_notice(path.name, arch)
         tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=dtype, **kw)
     except (ValueError, KeyError, IndexError, TypeError, struct.error) as exc:
@@ -459,6 +457,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
         raise ValueError(f"could not load model {str(path)!r} as a GGUF file: "
                          f"{type(exc).__name__}: {first}") from exc
     return model, tok
+
+
+def _float_notice(name: str, arch: str) -> None:
+    from lessmem.weights.gguf_load import ARCHS
+
+    print(f"lessmem: {name}: architecture {arch!r} is read by transformers as float weights "
+          f"(lessmem keeps the blocks of: {', '.join(ARCHS)})", file=sys.stderr)
 
 
 def _save_meta(config, tok, dest: Path) -> None:
