@@ -126,8 +126,13 @@ def test_quantized_cache_tracks_dynamic_and_fused_equals_dequantized(arch, prese
     with enable(m):
         fused = run(m, KVCache(m.config, kv))
     # Gemma-2's soft-capped logits go through the dequantized layer view, everything else
-    # through the fused kernels; either way the same numbers as the dequantized path
-    assert (fused - got).abs().max().item() < 1e-4 * got.abs().max().item()
+    # through the fused kernels; either way the same numbers as the dequantized path, up to
+    # summation order, which these random models amplify: measured up to 3.5e-4 of the
+    # largest logit (Qwen2, int8, one decode step; transformers 5.25), where the same cache
+    # read by transformers' eager and SDPA attention differs by 2.5e-4
+    scale = got.abs().max().item()
+    assert (fused - got).abs().max().item() < 2e-3 * scale
+    assert (fused - got).abs().mean().item() < 1e-5 * scale
 
 
 def test_per_channel_keys_survive_qwen2_key_outliers():
