@@ -57,8 +57,10 @@ _MODELS: dict = {}
 
 def model_for(arch: str):
     if arch not in _MODELS:
-        cfg = _config(arch.removesuffix("+outliers"))
-        cfg._attn_implementation = "eager" if arch == "gemma2" else "sdpa"  # SDPA cannot soft-cap
+        cfg = _config(arch.split("+")[0])
+        if arch.endswith("+w48"):  # a window wider than a block and the full-precision window
+            cfg.sliding_window = 48
+        cfg._attn_implementation = "eager" if arch.startswith("gemma2") else "sdpa"  # SDPA cannot soft-cap
         with torch.random.fork_rng():
             torch.manual_seed(0)
             m = tf.AutoModelForCausalLM.from_config(cfg).eval()
@@ -169,3 +171,68 @@ def test_gemma_sliding_layers_stay_bounded_and_global_layers_quantized():
     assert sliding.keys.shape[2] == m.config.sliding_window - 1
     mem = full.memory()
     assert mem["tokens"] == IDS.shape[1] and mem["codes"] > 0
+
+
+class _KeepEverySlidingBlock(KVCache):
+    """The quantized sliding layers as they were before they dropped anything: every block
+    kept, the mask hiding what slid out (the reference the bounded layer must equal)."""
+
+    def _new_sliding_layer(self, layer_idx, sliding_window):
+        return self._new_layer(layer_idx)
+
+
+# 4-bit keys per channel in groups of 16, rotated; blocks of 16 and a window of 8, so a
+# 48-token sliding window reads quantized blocks it shares with the dropped ones
+SLIDING_Q = KVConfig(keys=KVTensorConfig("uint", 4, PerGroup(16, axis=-2)), values=KVTensorConfig("uint", 4),
+                     window=8, sinks=0, block_size=16, rotate_keys=True, sliding="quantize")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_quantized_sliding_layers_drop_what_slid_out(arch):
+    """``sliding="quantize"``: a sliding layer keeps only the blocks its window can still
+    see, so it holds under sliding_window + block_size tokens at any length, and the
+    logits are exactly those of keeping every block with the mask hiding the old ones."""
+    m = model_for(arch + "+w48")
+    cache = KVCache(m.config, SLIDING_Q)
+    got = run(m, cache)
+    kept = _KeepEverySlidingBlock(m.config, SLIDING_Q)
+    assert torch.equal(got, run(m, kept))
+    W, B = m.config.sliding_window, SLIDING_Q.block_size
+    for i in (0, 2):  # the sliding layers
+        layer = cache.layers[i]
+        assert type(layer).__name__ == "SlidingQuantizedKVLayer" and layer.is_sliding
+        held = layer.length - layer.dropped
+        assert layer.length == IDS.shape[1] and layer.dropped > 0 and held < W + B
+        assert layer.n_history > 0  # the window sees quantized tokens, not only the full-precision ones
+        assert layer.memory()["codes"] < kept.layers[i].memory()["codes"] / 2
+        assert [b.start for b in layer.blocks()][0] == layer.dropped
+    assert cache.memory()["total"] < kept.memory()["total"]
+    ref = run(m, DynamicCache(config=m.config))
+    dec = slice(PREFILL, None)
+    lp, lr = got[:, dec].log_softmax(-1), ref[:, dec].log_softmax(-1)
+    assert (lr.exp() * (lr - lp)).sum(-1).mean().item() < 0.05  # measured 4e-3 / 7e-3
+    with enable(m):
+        fused = run(m, KVCache(m.config, SLIDING_Q))
+    assert (fused - got).abs().max().item() < 1e-4 * got.abs().max().item()
+
+
+def test_quantized_sliding_layer_edge_cases():
+    """Full precision through the bounded sliding layers matches DynamicCache; a sliding layer
+    in ``skip_layers`` stays bounded beside quantized ones (one mask serves them all); the
+    cache's sinks do not apply to sliding layers; crops stop at the full-precision window."""
+    m = model_for("gemma3+w48")
+    ref = run(m, DynamicCache(config=m.config))
+    fp = KVCache(m.config, PRESETS["fp16"].replace(sliding="quantize"))
+    torch.testing.assert_close(run(m, fp), ref, atol=1e-4, rtol=1e-4)  # measured 2e-6
+    assert fp.layers[0].dropped > 0 and fp.layers[0].keys.shape[2] < 48 + 32
+    cache = KVCache(m.config, SLIDING_Q.replace(skip_layers=(2,), sinks=4))
+    got = run(m, cache)
+    assert torch.isfinite(got).all()
+    s0, s2 = cache.layers[0], cache.layers[2]
+    assert s0.quantized and not s2.quantized and s0.dropped == s2.dropped > 0
+    assert s0.config.sinks == 0 and cache.layers[1].config.sinks == 4
+    win = s0.window[0].shape[2]
+    with pytest.raises(ValueError, match="full-precision window"):
+        cache.truncate_to(s0.length - win - 1)
+    cache.truncate_to(s0.length - win)
+    assert s0.length == s2.length == IDS.shape[1] - win

@@ -1,8 +1,10 @@
 """``KVCache``: the quantized KV cache as a transformers ``Cache``.
 
-Per-layer objects own the storage (:class:`~lessmem.kvcache.layer.QuantizedKVLayer`,
-or transformers' own ``DynamicSlidingWindowLayer`` for sliding-window layers when
-``KVConfig.sliding == "exact"``); the container routes and adds up ``memory()``.
+Per-layer objects own the storage (:class:`~lessmem.kvcache.layer.QuantizedKVLayer`;
+for sliding-window layers transformers' own ``DynamicSlidingWindowLayer`` when
+``KVConfig.sliding == "exact"``, or :class:`~lessmem.kvcache.layer.SlidingQuantizedKVLayer`,
+quantized and bounded by the window, when it is ``"quantize"``); the container routes
+and adds up ``memory()``.
 
 Passing the cache to a model: transformers 5.24 takes it as ``cache=`` (the older
 ``past_key_values=`` still works there with a deprecation warning; it leaves the models'
@@ -41,7 +43,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from ..formats.hadamard import HadamardRotation
 from .attention import is_enabled
 from .config import KVConfig
-from .layer import QuantizedKVLayer, crop_to_length
+from .layer import QuantizedKVLayer, SlidingQuantizedKVLayer, crop_to_length
 from .presets import resolve
 from .shape import head_dim as model_head_dim
 
@@ -198,6 +200,8 @@ class KVCache(Cache):
             if kind in ("sliding_attention", "chunked_attention") and cfg.sliding == "exact":
                 window = text.sliding_window if kind == "sliding_attention" else text.attention_chunk_size
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            elif kind == "sliding_attention":
+                layers.append(self._new_sliding_layer(i, text.sliding_window))
             else:
                 layers.append(self._new_layer(i))
         super().__init__(layers=layers)
@@ -205,6 +209,10 @@ class KVCache(Cache):
     def _new_layer(self, layer_idx: int) -> QuantizedKVLayer:
         """The storage of one quantized layer (a subclass builds its own kind here, once)."""
         return QuantizedKVLayer(self.kv_config, layer_idx, self.rotations, self._fused)
+
+    def _new_sliding_layer(self, layer_idx: int, sliding_window: int) -> QuantizedKVLayer:
+        """A quantized sliding-window layer: it drops what slid out of its window."""
+        return SlidingQuantizedKVLayer(self.kv_config, layer_idx, sliding_window, self.rotations, self._fused)
 
     def _fused(self) -> bool:
         if self.attention == "auto":
@@ -310,8 +318,7 @@ class KVCache(Cache):
                 for k in tot:
                     tot[k] += m[k]
                 kq, vq, qel = kq + m["k_quant_bytes"], vq + m["v_quant_bytes"], qel + m["quant_elements"]
-                if layer.is_initialized:
-                    fp16 += 2 * 2 * layer.batch_size * layer.num_heads * layer.length * layer.head_dim
+                fp16 += layer.fp16_equivalent()
             elif isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys is not None:
                 b = layer.keys.numel() * layer.keys.element_size() * 2
                 tot["window"] += b

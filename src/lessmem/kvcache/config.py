@@ -210,8 +210,11 @@ class KVConfig:
     :class:`KVTensorConfig` pair (e.g. a sensitive first layer at more bits).
     ``skip_layers``: layers kept entirely in full precision.
     ``sliding``: for sliding-window layers, ``"exact"`` keeps transformers' bounded
-    full-precision sliding layer; ``"quantize"`` treats them like the other layers
-    (the mask then hides what slid out).
+    full-precision sliding layer; ``"quantize"`` quantizes them like the other layers
+    and drops the blocks that slid out of the window
+    (:class:`~lessmem.kvcache.layer.SlidingQuantizedKVLayer`: no sinks there, at most
+    ``sliding_window + block_size`` tokens held). Chunked-attention layers under
+    ``"quantize"`` keep every block (the mask hides the other chunks).
     ``window_dtype``: dtype of the full-precision parts (``"model"``: as computed).
 
     Example:

@@ -207,10 +207,21 @@ class QuantizedKVLayer(CacheLayerMixin):
                 side, part = name.split("_", 1)
                 tg = self.layouts[side].tokens_per_row(part)
                 parts[name] = t[:, :, t0 // tg:t1 // tg]
-            out.append(KVBlock(self.config.sinks + t0, B, parts))
+            out.append(KVBlock(self.history_start + t0, B, parts))
         return out
 
+    @property
+    def history_start(self) -> int:
+        """Position of the first token of the quantized history (after the sinks)."""
+        return self.config.sinks
+
     # ---- memory ------------------------------------------------------------------
+    def fp16_equivalent(self) -> int:
+        """Bytes the same layer would hold in an fp16 cache (every token, keys and values)."""
+        if not self.is_initialized:
+            return 0
+        return 2 * 2 * self.batch_size * self.num_heads * self.length * self.head_dim
+
     def memory(self) -> dict[str, int]:
         """Bytes held by part (see ``KVCache.memory``)."""
         def nb(t):
@@ -297,3 +308,89 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.window = (self.window[0][:, :, :0], self.window[1][:, :, :0])
             self.sinks = (self.sinks[0][:, :, :keep], self.sinks[1][:, :, :keep])
         self.length -= n
+
+
+class SlidingQuantizedKVLayer(QuantizedKVLayer):
+    """A sliding-window layer that keeps only what its window can still see, quantized.
+
+    A query at position p attends positions p - sliding_window + 1 .. p (transformers'
+    sliding mask), so once the next query is at ``length``, tokens before
+    ``length - sliding_window + 1`` are never read again. After each update the layer
+    forgets the tokens before that position rounded down to a whole block (``dropped``
+    counts them; quantized history first, then full-precision window tokens), so it holds
+    at most ``sliding_window + block_size`` tokens whatever the context length. The drop
+    point depends on the length alone, so every sliding layer of a cache (quantized, or a
+    skipped one kept in full precision) holds the same positions, and ``get_mask_sizes``
+    reports them (length and offset) as transformers' ``DynamicSlidingWindowLayer`` does.
+    No sinks (they would lie outside the window). Only tokens still in full precision can
+    be cropped. Built by :class:`~lessmem.kvcache.KVCache` for sliding layers with
+    ``KVConfig(sliding="quantize")``.
+    """
+
+    is_sliding = True
+
+    def __init__(self, config: KVConfig, layer_idx: int, sliding_window: int, rotations=(None, None),
+                 fused: Callable[[], bool] = lambda: False):
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
+                or sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window!r}; allowed: an integer >= 1")
+        self.sliding_window = int(sliding_window)
+        super().__init__(config.replace(sinks=0), layer_idx, rotations, fused)
+
+    def reset(self) -> None:
+        super().reset()
+        self.dropped = 0
+
+    @property
+    def history_start(self) -> int:
+        return self.dropped
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length - self.dropped + query_length, self.dropped
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        if not self.quantized:  # the base counts what it holds; here that omits the dropped
+            self.length = self.dropped + self.keys.shape[2]
+        B = self.config.block_size
+        self._drop_before(max(0, self.length - self.sliding_window + 1) // B * B)
+        return out
+
+    def _drop_before(self, position: int) -> None:
+        """Forget every token before ``position`` (a multiple of the block size)."""
+        n = position - self.dropped
+        if n <= 0:
+            return
+        if not self.quantized:
+            self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
+            self.dropped += n
+            return
+        h = min(n, self.n_history)  # whole blocks: the history starts and ends on block edges
+        if h == self.n_history:
+            self.history = None
+        elif h:  # a copy: a view would keep the dropped rows' storage alive
+            self.history = {name: t[:, :, h // self.layouts[name[0]].tokens_per_row(name[2:]):].clone()
+                            for name, t in self.history.items()}
+        self._read = None
+        self.n_history -= h
+        if n > h:
+            self.window = (self.window[0][:, :, n - h:], self.window[1][:, :, n - h:])
+        self.dropped += n
+
+    def fp16_equivalent(self) -> int:
+        """An fp16 sliding layer (transformers') holds the last ``sliding_window - 1`` tokens."""
+        if not self.is_initialized:
+            return 0
+        n = min(self.length, self.sliding_window - 1)
+        return 2 * 2 * self.batch_size * self.num_heads * n * self.head_dim
+
+    def check_truncate(self, length: int) -> None:
+        super().check_truncate(length)
+        if length < self.dropped + self.n_history:
+            raise ValueError(f"cannot keep {length} tokens: layer {self.layer_idx} dropped its "
+                             f"first {self.dropped} (out of its sliding window of "
+                             f"{self.sliding_window}) and holds the next {self.n_history} "
+                             "quantized; allowed: crop sizes up to the full-precision window length")

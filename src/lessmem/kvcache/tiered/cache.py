@@ -112,6 +112,11 @@ class TieredKVCache(KVCache):
     def _new_layer(self, layer_idx: int) -> TieredKVLayer:
         return TieredKVLayer(self.kv_config, layer_idx, self.rotations, self._fused, self._context)
 
+    def _new_sliding_layer(self, layer_idx: int, sliding_window: int) -> TieredKVLayer:
+        """Sliding layers keep every block too: the tiers hold the history (the mask hides
+        what slid out; ``attention_window`` is the tiered cache's own sliding policy)."""
+        return self._new_layer(layer_idx)
+
     def refresh_layers(self) -> None:
         """Tell the account and the reader which layers there are (after replacing any)."""
         self.tiered = [layer for layer in self.layers if isinstance(layer, TieredKVLayer) and layer.quantized]
