@@ -506,6 +506,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "bench_kv_quality_16w.json": "bench_kv_quality.py",
     "bench_kv_quality_mixed.json": "bench_kv_quality.py",  # per-layer bits (kv_configs/) vs best-3/best-2
     "bench_kv_quality_gemma3.json": "bench_kv_quality.py",  # the second built-in model, gemma3-270m
+    "bench_kv_quality_gemma3_sliding.json": "bench_kv_quality.py",  # ... its sliding layers quantized too
     "bench_contention.json": "bench_contention.py",
     "bench_first_run.json": "bench_first_run.py",
     "serve.json": "bench_serve.py",
