@@ -145,6 +145,7 @@ struct QSide {
   std::vector<const uint8_t*> codes; std::vector<const at::Half*> scale;
   std::vector<const uint8_t*> zp; std::vector<int64_t> T, R;  // per segment: tokens, scale rows
   const float* lut;
+  float lut16[16] = {0.f};  // the level table padded to 16 entries (bits <= 4: looked up in registers)
   int packing, bits, tg, dg, rb;  // rb: bytes per row
   float zc;              // constant zero (symmetric int) when zp is absent
   int64_t srow;          // scale entries per scale row = D / dg
@@ -182,6 +183,17 @@ inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* ou
       for (int j = 0; j < n; ++j) out[i * n + j] = (float)((p[j] >> (bits * i)) & m);
     return;
   }
+#if defined(__AVX2__) && defined(__FMA__)
+  if (bits == 3 && D % 8 == 0) {  // eight codes in three bytes: one broadcast, shifted per lane
+    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m7 = _mm256_set1_epi32(7);
+    for (int g = 0; g < D / 8; ++g) {
+      const uint8_t* b = p + 3 * g;
+      const int w = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
+      _mm256_storeu_ps(out + 8 * g, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m7)));
+    }
+    return;
+  }
+#endif
   const unsigned mask = (1u << bits) - 1;  // PACK_STREAM: little-endian bit stream
   for (int d = 0; d < D; ++d) {
     const int bit = d * bits, byte = bit >> 3, sh = bit & 7;
@@ -216,6 +228,22 @@ struct RowDecoder {
     if (t < s0 || t >= s1) locate(t);
     unpack_row(cb + (t - s0) * q.rb, q.packing, q.bits, DC > 0 ? DC : this->D, out);
   }
+  // codes (as floats) -> their levels, in place
+  inline void lookup(float* __restrict__ cp, int D) const {
+    int d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (q.bits <= 4) {  // 16 levels at most: two registers, a permute each, a blend on the index
+      const __m256 lo = _mm256_loadu_ps(q.lut16), hi = _mm256_loadu_ps(q.lut16 + 8);
+      const __m256i seven = _mm256_set1_epi32(7);
+      for (; d + 8 <= D; d += 8) {
+        const __m256i i = _mm256_cvttps_epi32(_mm256_loadu_ps(cp + d));
+        const __m256 up = _mm256_castsi256_ps(_mm256_cmpgt_epi32(i, seven));
+        _mm256_storeu_ps(cp + d, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i), up));
+      }
+    }
+#endif
+    for (; d < D; ++d) cp[d] = q.lut[(int)cp[d]];
+  }
   // scale and zero point rows of token t's group (t in the segment last located)
   inline int64_t group_row(int64_t t) const { return (q.tg == 1 ? t - s0 : (t - s0) / q.tg) * q.srow; }
   inline const at::Half* scale_row(int64_t t) const { return sb + group_row(t); }
@@ -227,7 +255,7 @@ struct RowDecoder {
     if (t < s0 || t >= s1) locate(t);
     const int64_t lt = t - s0;
     unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
-    if (q.lut) { for (int d = 0; d < D; ++d) cp[d] = q.lut[(int)cp[d]]; }
+    if (q.lut) lookup(cp, D);
     const int ng = D / q.dg;
     const at::Half* sp = scale_row(t);
     const uint8_t* zpp = zero_row(t);
@@ -260,6 +288,7 @@ struct RowDecoder {
 void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bits, int64_t tg, int64_t dg,
                 double zc, int D, int64_t seg, int64_t rb) {
   s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
+  for (int64_t i = 0; i < std::min<int64_t>(lut.numel(), 16); ++i) s.lut16[i] = s.lut[i];
   LM_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
   s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
   s.rb = (int)rb; s.srow = D / dg; s.seg = seg;
