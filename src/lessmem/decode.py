@@ -322,6 +322,15 @@ class LeanDecode:
         cos = cos.unsqueeze(1)  # [B, 1, 1, D] against [B, heads, 1, D]
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
         glue = self._glue if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        # a plain KVCache on its fused path: each layer appends and hands back its view directly
+        # (KVCache.update's checks, transformers' Cache.update and the per-layer switch test
+        # cost ~15 µs a layer; the keys and values are this step's own)
+        from .kvcache.cache import KVCache
+        from .kvcache.layer import QuantizedKVLayer
+
+        views = (not dynamic and type(cache) is KVCache and cache._fused()
+                 and all(type(layer) is QuantizedKVLayer and layer.is_initialized and layer.quantized
+                         for layer in cache.layers))
         for L in self._layers:
             h = L.ln1(x)
             y = L.qkv(h) if L.qkv is not None else None  # q, k and v in one call
@@ -343,7 +352,10 @@ class LeanDecode:
                 swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
                 qk = qk * cos + swapped * sin  # (sin sign-folded above)
                 q, k = qk[:, :L.hq], qk[:, L.hq:]
-            kv, vv = _dynamic_append(cache.layers[L.idx], k, v) if dynamic else cache.update(k, v, L.idx)
+            if views:
+                kv = cache.layers[L.idx].append_view(k, v)
+            else:
+                kv, vv = _dynamic_append(cache.layers[L.idx], k, v) if dynamic else cache.update(k, v, L.idx)
             if hasattr(kv, "attend"):  # a lessmem layer view: the fused kernel over its blocks
                 a = kv.attend(q, None, L.scale)
             else:

@@ -126,12 +126,19 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.length = self.keys.shape[2]
             return self.keys, self.values
-        view = LayerView(self.sinks, self.read_history(), self.window, (key_states, value_states),
-                         self.rot_k, self.rot_v)
-        self._append(key_states, value_states)
+        view = self.append_view(key_states, value_states)
         if self._fused():
             return view, view
         return view.materialize()
+
+    def append_view(self, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerView:
+        """Append new tokens to this quantized, initialized layer and return the step's view of
+        it (what ``update`` returns on the fused path), with no checks: for callers that made
+        the keys and values for this layer themselves (the lean decode step)."""
+        view = LayerView(self.sinks, self.read_history(), self.window, (key_states, value_states),
+                         self.rot_k, self.rot_v)
+        self._append(key_states, value_states)
+        return view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -355,9 +362,17 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
         out = super().update(key_states, value_states, *args, **kwargs)
         if not self.quantized:  # the base counts what it holds; here that omits the dropped
             self.length = self.dropped + self.keys.shape[2]
+            self._drop_slid_out()
+        return out
+
+    def append_view(self, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerView:
+        view = super().append_view(key_states, value_states)
+        self._drop_slid_out()
+        return view
+
+    def _drop_slid_out(self) -> None:
         B = self.config.block_size
         self._drop_before(max(0, self.length - self.sliding_window + 1) // B * B)
-        return out
 
     def _drop_before(self, position: int) -> None:
         """Forget every token before ``position`` (a multiple of the block size)."""
