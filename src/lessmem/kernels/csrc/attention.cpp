@@ -137,6 +137,45 @@ inline void pv_rows(float* __restrict__ a, const float* __restrict__ w, const fl
   }
 }
 
+// max of n floats (eight lanes at a time: the scalar loop is a chain of dependent compares)
+inline float max_of(const float* __restrict__ s, int64_t n) {
+  int64_t i = 0;
+  float mx = NEG_INF;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, m);
+    for (int j = 0; j < 8; ++j) mx = std::max(mx, t[j]);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  return mx;
+}
+
+// w[i] = p[i]·a[i] for n entries, returning Σ p[i]·z[i] (eight partial sums, then pairs)
+inline float scale_weights(const float* __restrict__ p, const float* __restrict__ a, const float* __restrict__ z,
+                           float* __restrict__ w, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 pv = _mm256_loadu_ps(p + i);
+      _mm256_storeu_ps(w + i, _mm256_mul_ps(pv, _mm256_loadu_ps(a + i)));
+      acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(z + i), acc);
+    }
+    alignas(32) float t[8];
+    _mm256_store_ps(t, acc);
+    sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  }
+#endif
+  for (; i < n; ++i) { w[i] = p[i] * a[i]; sum += p[i] * z[i]; }
+  return sum;
+}
+
 // The history may arrive as segments (blocks fetched from different places, never
 // concatenated): segment i holds tokens [i·seg, i·seg + T_i), each with its own codes,
 // scales and zero points laid out as one contiguous [B, H, T_i, ·] stream; every segment
@@ -213,6 +252,7 @@ struct RowDecoder {
   int64_t s0 = 0, s1 = 0; const uint8_t* cb = nullptr; const at::Half* sb = nullptr;
   const uint8_t* zb = nullptr;
   RowDecoder(const QSide& q_, int D_, int64_t bh_) : q(q_), D(D_), bh(bh_), s(D_), z(D_), c(D_) {}
+  inline void seek(int64_t t) { if (t < s0 || t >= s1) locate(t); }
   inline void locate(int64_t t) {  // tokens arrive in increasing order: rarely called
     const int64_t n = (int64_t)q.T.size();
     int64_t i = q.seg > 0 ? t / q.seg : 0;
@@ -490,8 +530,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        float mx = NEG_INF;
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[r * TILE + i]);
+        const float mx = max_of(sc.data() + r * TILE, n);
         if (mx == NEG_INF) { for (int64_t i = 0; i < n; ++i) sc[r * TILE + i] = 0.f; continue; }
         const float mnew = std::max(m[r], mx);
         const float corr = (m[r] == NEG_INF) ? 0.f : std::exp(m[r] - mnew);
@@ -502,6 +541,18 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         m[r] = mnew;
         l[r] += exp_rows(sc.data() + r * TILE, n, mnew);
       }
+      // folded values: the tile's per-token scales and zero points converted in one go when
+      // the tile lies in one segment (their rows are then consecutive)
+      bool vbulk = false;
+      if (vf) {
+        vd.seek(ts);
+        if (ts + n <= vd.s1) {
+          vbulk = true;
+          half_to_float(vd.scale_row(ts), va.data(), n);
+          const uint8_t* z = vd.zero_row(ts);
+          for (int64_t i = 0; i < n; ++i) vz[i] = va[i] * (z ? (float)z[i] : V.zc);
+        }
+      }
       for (int64_t i = 0; i < n; ++i) {  // the tile's values as float rows (codes when folded)
         const int64_t t = ts + i;
         if (fp) {
@@ -509,8 +560,10 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
           if (src != vb + i * D) std::copy(src, src + D, vb + i * D);
         } else if (vf) {
           vd.template raw<DC>(t, vb + i * D);
-          const float a = (float)*vd.scale_row(t); const uint8_t* z = vd.zero_row(t);
-          va[i] = a; vz[i] = a * (z ? (float)*z : V.zc);
+          if (!vbulk) {
+            const float a = (float)*vd.scale_row(t); const uint8_t* z = vd.zero_row(t);
+            va[i] = a; vz[i] = a * (z ? (float)*z : V.zc);
+          }
         } else {
           vd.template decode<DC>(t, vb + i * D);
         }
@@ -519,9 +572,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         const float* __restrict__ p = sc.data() + r * TILE;
         const float* wr = p;
         if (vf) {
-          float zsum = 0.f;
-          for (int64_t i = 0; i < n; ++i) { w[i] = p[i] * va[i]; zsum += p[i] * vz[i]; }
-          zs[r] += zsum;
+          zs[r] += scale_weights(p, va.data(), vz.data(), w.data(), n);
           wr = w.data();
         }
         pv_rows(acc + r * D, wr, vb, n, D);
