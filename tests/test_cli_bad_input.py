@@ -103,6 +103,8 @@ ROWS = [
     (("plan", "--kv", ","), "--kv"),
     (("plan", "--kv", ""), "--kv"),
     (("plan", "--kv", "fp16,zz"), "--kv"),
+    (("plan", "--kv", "{D}/missing.json"), "--kv"),
+    (("plan", "--kv", "{D}/model/config.json"), "--kv"),  # JSON, not a KVConfig
     (("plan", "--weights", "int9"), "--weights"),
     (("plan", "--weights", ","), "--weights"),
     (("plan", "--params", "1e99"), "--params"),

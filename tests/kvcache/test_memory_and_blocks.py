@@ -54,6 +54,24 @@ def test_planner_matches_measured_bytes_smollm2(preset):
     assert mem["fp16_equivalent"] == plan["fp16"]
 
 
+def test_planner_matches_measured_bytes_of_a_per_layer_config():
+    """``lessmem plan --kv FILE.json``: a per-layer allocation (bits differ by layer) is
+    planned by its mean bits over the model's layers; the bytes equal what the cache holds."""
+    from pathlib import Path
+
+    from lessmem.kvcache.presets import load_config
+    from lessmem.plan.planner import plan
+
+    path = Path(__file__).parents[2] / "benchmarks/results/kv_configs/mixed-3.0.json"
+    cache = KVCache(_smollm_config(), load_config(path), attention="fused")
+    _fill(cache, 4096, 30)
+    mem = cache.memory()
+    row = plan("smollm2-135m", context=4096, kv=[str(path)])["kv"][0]
+    assert row["precision"] == "mixed-3.0"
+    assert abs(row["total"] - mem["total"]) <= 0.02 * mem["total"]
+    assert row["fp16"] == mem["fp16_equivalent"]
+
+
 def test_memory_is_summed_from_tensors_and_bits_match_config():
     cache = _filled("best-4")
     mem = cache.memory()

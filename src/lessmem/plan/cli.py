@@ -26,8 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=T.count(1, 2**20), default="1", help="concurrent requests (default 1)")
     p.add_argument("--kv", default=None,
                    help="comma-separated KV precisions: fp16,bf16,fp8,int8,int4,int2, k8v4, lessmem "
-                        "presets (lessmem:fp8, lessmem:int8, lessmem:int4, kivi-4, kivi-2, int4-rot, best-4, best-2) or "
-                        "NAME:g=32:window=128:sinks=4 "
+                        "presets (lessmem:fp8, lessmem:int8, lessmem:int4, kivi-4, kivi-2, int4-rot, best-4, best-2), "
+                        "NAME:g=32:window=128:sinks=4 or a KVConfig .json (lessmem kv-allocate --out) "
                         "(default fp16,fp8,int8,int4)")
     p.add_argument("--weights", default="fp16",
                    help="comma-separated weight formats: fp16, bf16, int8, int4-g32, uint4-g128, q4_0, "
@@ -99,7 +99,10 @@ def check(args) -> None:
         return
     model = _named_check("--model", args.model, get_model, args.model)
     _named_check("--hardware", args.hardware, get_hardware, args.hardware)
-    for opt, value, get in (("--kv", args.kv, get_kv), ("--weights", args.weights, get_weight_format)):
+    def kv_for_model(name):  # a per-layer .json config is described over the model's layers
+        return get_kv(name, num_layers=model.layers)
+
+    for opt, value, get in (("--kv", args.kv, kv_for_model), ("--weights", args.weights, get_weight_format)):
         names = [x.strip() for x in (value or "").split(",") if x.strip()]
         if value is not None and not names:
             raise T.OptionError(opt, value, "names nothing; allowed: comma-separated names (see --list)")

@@ -193,9 +193,13 @@ def _parse_int(name, v, spec):
     return x
 
 
-def get_kv(spec: str | KVPrecision) -> KVPrecision:
-    """A KVPrecision from a name (see ``kv_choices()``), a ``NAME:opt=val`` spec, or any object
-    with ``to_plan()`` (a ``lessmem.kvcache.KVConfig``; duck-typed so torch is never imported).
+def get_kv(spec: str | KVPrecision, num_layers: int | None = None) -> KVPrecision:
+    """A KVPrecision from a name (see ``kv_choices()``), a ``NAME:opt=val`` spec, any object
+    with ``to_plan()`` (a ``lessmem.kvcache.KVConfig``; duck-typed so torch is never imported),
+    or a ``.json`` file holding ``KVConfig.to_dict()`` (a per-layer allocation from
+    ``lessmem kv-allocate``: read with lessmem.kvcache, which imports torch). A config whose
+    layers differ in bits is described by its mean bits over ``num_layers`` layers (the
+    model's count), which it then needs.
 
     Example:
         >>> p = get_kv("int4:g=32:zp=1:window=128:sinks=4")
@@ -205,7 +209,14 @@ def get_kv(spec: str | KVPrecision) -> KVPrecision:
     if isinstance(spec, KVPrecision):
         return spec
     if hasattr(spec, "to_plan"):
-        return spec.to_plan("custom")
+        return spec.to_plan("custom", num_layers=num_layers)
+    if isinstance(spec, str) and spec.strip().lower().endswith(".json"):
+        from pathlib import Path
+
+        from ..kvcache.presets import load_config  # a ValueError naming the file if it is not one
+
+        path = spec.strip()
+        return load_config(path).to_plan(Path(path).stem, num_layers=num_layers)
     s = str(spec).strip().lower()
     base, *opts = s.split(":") if not s.startswith("lessmem:") else ["lessmem:" + s.split(":")[1],
                                                                    *s.split(":")[2:]]

@@ -85,7 +85,7 @@ def plan(model="llama-3-8b", *, context=None, batch=1, kv=None, weights="fp16",
     context = m.max_context if context is None else _positive_int("context", context)
     batch = _positive_int("batch", batch)
     hw = get_hardware(hardware, **_hardware_overrides(hw_overrides))
-    precs = [get_kv(s) for s in _listify(kv, DEFAULT_KV if offload is None else ["lessmem:int4"])]
+    precs = [get_kv(s, num_layers=m.layers) for s in _listify(kv, DEFAULT_KV if offload is None else ["lessmem:int4"])]
     if not precs:
         raise ValueError("kv: give at least one KV precision")
     from .weights import get_weight_format, weight_footprint
