@@ -77,3 +77,23 @@ def test_mixed_quantized_and_none_sides_are_refused():
     cfg = KVConfig(keys=NONE)
     with pytest.raises(ValueError, match="allowed: both quantized or both 'none'"):
         QuantizedKVLayer(cfg, 0)
+
+
+def test_a_preset_name_takes_field_changes_after_colons(tmp_path):
+    import json
+
+    got = resolve("best-4:sliding=quantize:window=64:rotate_values=true")
+    assert got == PRESETS["best-4"].replace(sliding="quantize", window=64, rotate_values=True)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(PRESETS["int8"].to_dict()))
+    assert resolve(f"{path}:sinks=0") == PRESETS["int8"].replace(sinks=0)
+    from lessmem.eval.caches import resolve_config
+
+    spec = resolve_config("best-4:sliding=quantize")
+    assert spec.name == "best-4:sliding=quantize" and spec.config.sliding == "quantize"
+    for bad, match in (("best-4:color=red", "field one of window"), ("best-4:window", "field=value"),
+                       ("best-4:window=-1", "integer >= 0"), ("best-4:rotate_keys=maybe", "true or false"),
+                       ("best-4:sliding=drop", "'best-4:sliding=drop': sliding='drop'; allowed: exact"),
+                       ("best-4:block_size=48", "block_size=48"), ("int9:window=3", "unknown KV preset")):
+        with pytest.raises(ValueError, match=match):
+            resolve(bad)

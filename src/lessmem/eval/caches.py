@@ -166,9 +166,18 @@ def resolve_config(config) -> CacheSpec:
 
             cfg = load_config(name)
             return CacheSpec(Path(name).stem, _lessmem_factory(cfg), "lessmem", cfg.to_dict(), cfg)
+        if ":" in name and (name.split(":")[0] in presets or name.split(":")[0].endswith(".json")):
+            # a preset (or file) with field=value changes
+            from lessmem.kvcache.presets import resolve
+
+            cfg = resolve(name)
+            base = name.split(":")[0]
+            label = (Path(base).stem if base.endswith(".json") else base) + ":" + name.split(":", 1)[1]
+            return CacheSpec(label, _lessmem_factory(cfg), "lessmem", cfg.to_dict(), cfg)
         allowed = [BASELINE, *available_peers(), *presets]
         raise ValueError(f"unknown KV config {name!r}; allowed: {', '.join(allowed)}, or a .json "
-                         "file written from KVConfig.to_dict()")
+                         "file written from KVConfig.to_dict(); a lessmem preset or file may take "
+                         "field=value changes after colons (best-4:sliding=quantize)")
     if hasattr(config, "to_dict") and type(config).__name__ == "KVConfig":
         d = config.to_dict()
         same = [n for n, p in lessmem_presets().items() if p == config]

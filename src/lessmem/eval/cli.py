@@ -59,7 +59,8 @@ def add_arguments(p) -> None:
                    help="comma-separated configs: lessmem presets, peers (quanto-int4, quanto-int2, "
                         "hqq-int4, hf-fp8), 'presets' (all lessmem presets), 'peers' (all installed "
                         f"peers); default: {','.join(QUICK_PRESETS)} (--full: {','.join(MAIN_PRESETS)}). "
-                        "DynamicCache is always the baseline")
+                        "A lessmem preset or KVConfig .json may take field=value changes after colons "
+                        "(best-4:sliding=quantize). DynamicCache is always the baseline")
     p.add_argument("--full", action="store_true",
                    help=f"the full table: the main presets on {FULL_PROTOCOL[0]} windows of {FULL_PROTOCOL[1]} "
                         "tokens (several minutes on two cores); --kv/--windows/--window-len still win")

@@ -35,7 +35,8 @@ HELP = "generate text with a quantized KV cache"
 def add_arguments(p) -> None:
     p.add_argument("prompt", type=T.nonempty_text, help="the prompt text")
     p.add_argument("--kv", default="int4",
-                   help="KV cache: a lessmem preset, 'dynamic', or a peer such as quanto-int4 (default int4)")
+                   help="KV cache: a lessmem preset or KVConfig .json (field=value changes after colons: "
+                        "best-4:sliding=quantize), 'dynamic', or a peer such as quanto-int4 (default int4)")
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf, directory or hub id")
     add_weights_option(p)
     p.add_argument("--max-new-tokens", type=T.integer(1, T.MAX_TOKENS), default=128,

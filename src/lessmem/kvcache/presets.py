@@ -12,7 +12,7 @@ Example:
     >>> resolve("int9")
     Traceback (most recent call last):
     ...
-    ValueError: unknown KV preset 'int9'; allowed: best-2, best-3, best-4, fp16, fp8, int4, int4-rot, int8, kivi-2, kivi-4, or a .json file written from KVConfig.to_dict()
+    ValueError: unknown KV preset 'int9'; allowed: best-2, best-3, best-4, fp16, fp8, int4, int4-rot, int8, kivi-2, kivi-4, or a .json file written from KVConfig.to_dict(); either may take field=value changes after colons (window, sinks, block_size, rotation_seed, sliding, window_dtype, rotate_keys, rotate_values)
 """
 
 from __future__ import annotations
@@ -88,19 +88,63 @@ def load_config(path) -> KVConfig:
         raise ValueError(f"KV config file {str(path)!r}: {exc}") from None
 
 
+# KVConfig fields a preset name may change after a colon ("best-4:sliding=quantize:window=64")
+OPTIONS = {"window": int, "sinks": int, "block_size": int, "rotation_seed": int, "sliding": str,
+           "window_dtype": str, "rotate_keys": bool, "rotate_values": bool}
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _with_options(base: KVConfig, spec: str, options: list[str]) -> KVConfig:
+    """``base`` with ``field=value`` options applied (each checked by KVConfig itself)."""
+    changes = {}
+    for opt in options:
+        field, sep, raw = opt.partition("=")
+        field, raw = field.strip(), raw.strip()
+        if not sep or field not in OPTIONS or not raw:
+            raise ValueError(f"KV option {opt!r} in {spec!r}; allowed: field=value with field one of "
+                             f"{', '.join(OPTIONS)}")
+        kind = OPTIONS[field]
+        if kind is bool:
+            if raw.lower() not in _BOOLS:
+                raise ValueError(f"KV option {field}={raw!r} in {spec!r}; allowed: true or false")
+            changes[field] = _BOOLS[raw.lower()]
+        elif kind is int:
+            if not raw.isdigit():
+                raise ValueError(f"KV option {field}={raw!r} in {spec!r}; allowed: an integer >= 0")
+            changes[field] = int(raw)
+        else:
+            changes[field] = raw
+    try:
+        return base.replace(**changes)
+    except (TypeError, ValueError) as exc:  # KVConfig's own checks, named with the spec
+        raise ValueError(f"KV config {spec!r}: {exc}") from None
+
+
 def resolve(config) -> KVConfig:
     """A :class:`KVConfig` from a preset name, a ``.json`` file holding ``KVConfig.to_dict()``
-    or a KVConfig (returned as is)."""
+    or a KVConfig (returned as is). A name or file may carry changes of KVConfig's scalar
+    fields after colons (``OPTIONS``): ``"best-4:sliding=quantize"`` is best-4 with its
+    sliding-window layers quantized too, ``"int8:window=32:sinks=0"``.
+
+    Example:
+        >>> c = resolve("best-4:sliding=quantize:window=64")
+        >>> c.sliding, c.window, c.keys == resolve("best-4").keys
+        ('quantize', 64, True)
+    """
     if isinstance(config, KVConfig):
         return config
     names = ", ".join(sorted(PRESETS))
     if isinstance(config, str):
         if config in PRESETS:
             return PRESETS[config]
+        base, *options = config.split(":")
+        if options and (base in PRESETS or base.endswith(".json")):
+            return _with_options(resolve(base), config, options)
         if config.endswith(".json"):
             return load_config(config)
         raise ValueError(f"unknown KV preset {config!r}; allowed: {names}, or a .json file "
-                         "written from KVConfig.to_dict()")
+                         "written from KVConfig.to_dict(); either may take field=value changes "
+                         f"after colons ({', '.join(OPTIONS)})")
     hint = "; a dict: use KVConfig.from_dict(d)" if isinstance(config, dict) else ""
     raise ConfigTypeError(f"KV config {config!r} (a {type(config).__name__}){hint}; allowed: a "
                           f"preset name ({names}) or a KVConfig")

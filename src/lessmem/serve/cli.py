@@ -35,6 +35,7 @@ def add_arguments(p) -> None:
     add_weights_option(p)
     p.add_argument("--kv", default="best-4", type=T.nonempty_text,
                    help="KV cache preset for every request (see lessmem presets; fp16 = unquantized; "
+                        "a KVConfig .json; field=value changes after colons, e.g. best-4:window=64; "
                         "default best-4)")
     p.add_argument("--kv-budget", type=T.size(), default=None, metavar="SIZE",
                    help="device bytes for the KV caches of all requests together, e.g. 256MiB "
