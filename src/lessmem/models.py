@@ -352,9 +352,10 @@ def _load_builtin(spec: BuiltinModel, dtype: torch.dtype, weights: str = "float"
         from lessmem.weights.gguf_load import ARCHS
 
         path = builtin_gguf(spec.alias)
-        arch = str(read_gguf_header(path).metadata.get("general.architecture", ""))
+        header = read_gguf_header(path)  # parsed once for this load (~50 ms on the built-in model)
+        arch = str(header.metadata.get("general.architecture", ""))
         if arch in ARCHS:
-            return _load_gguf(path, dtype, weights, meta_cache=_meta_dir(spec))
+            return _load_gguf(path, dtype, weights, meta_cache=_meta_dir(spec), header=header)
         _float_notice(spec.member, arch)  # the cached float copy below, not the GGUF parsed again
     saved = _dequantized_dir(spec, dtype)
     if (saved / "complete.json").exists():
@@ -419,18 +420,22 @@ def _file_meta_dir(path: Path) -> Path | None:
     return cache_dir("models") / f"gguf-meta-{key}"
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cache: Path | None = None):
+def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cache: Path | None = None,
+               header=None):
     """Load a GGUF file, after checking its header: a truncated or damaged file raises
     ``ValueError("not a valid GGUF file: <path>: ...")`` up front, where transformers would
     fail deep inside (``struct.error``, a numpy reshape). ``weights="stored"``: the blocks
     as they are (``weights.gguf_load``) where the architecture allows, else through
     transformers as floats. ``meta_cache``: a directory keeping the config and tokenizer
-    transformers reads from the file's metadata (seconds of parsing, saved once)."""
+    transformers reads from the file's metadata (seconds of parsing, saved once). ``header``:
+    the file's header if the caller has already parsed it (it is then not read again)."""
     import struct
 
     from lessmem.formats.gguf_file import read_gguf_header
 
-    arch = str(read_gguf_header(path).metadata.get("general.architecture", ""))  # before transformers
+    if header is None:
+        header = read_gguf_header(path)  # before transformers
+    arch = str(header.metadata.get("general.architecture", ""))
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from lessmem.weights.gguf_load import ARCHS, load_gguf_blocks
@@ -447,7 +452,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
             from .base.cpu import trim_heap
 
             trim_heap()  # what parsing freed goes back before the blocks are mapped
-            return load_gguf_blocks(path, dtype, config=config), tok
+            return load_gguf_blocks(path, dtype, config=config, header=header), tok
         if weights == "stored":
             _float_notice(path.name, arch)
         tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)

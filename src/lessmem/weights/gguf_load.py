@@ -137,19 +137,22 @@ def permute_rows(rows: torch.Tensor, n_head: int, inverse: bool = True) -> torch
     return rows.reshape(n_head, a, b, -1).transpose(1, 2).reshape(n, -1).contiguous()
 
 
-def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8_activations: bool = True):
+def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8_activations: bool = True,
+                     *, header=None):
     """The causal LM of the ``.gguf`` file at ``path`` with its weights held as stored (module doc).
 
     ``config``: the transformers config (default: read from the file by ``AutoConfig``).
     ``int8_activations``: decode steps multiply Q4_0/Q4_1/Q8_0 blocks with int8-quantized
     activations, as llama.cpp does (``GGUFLinear``); ``False`` keeps float32 activations.
+    ``header``: the file's ``read_gguf_header`` result if the caller already holds it.
     Raises ``ValueError`` for an architecture outside ``ARCHS`` or a file whose tensors do
     not fill the model, before anything large is read.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    header = read_gguf_header(path)
+    if header is None:
+        header = read_gguf_header(path)
     arch = str(header.metadata.get("general.architecture", ""))
     if arch not in ARCHS:
         raise ValueError(f"{path}: architecture {arch!r} is not loaded as GGUF blocks (allowed: "
