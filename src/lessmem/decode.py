@@ -249,6 +249,10 @@ class LeanDecode:
         self._slots = ([p._modules for p, _, _ in self._parts], [n for _, n, _ in self._parts],
                        [c for _, _, c in self._parts])
         self._hooks = [d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        from .kvcache.cache import KVCache
+        from .kvcache.layer import QuantizedKVLayer
+
+        self._kv_types = (KVCache, QuantizedKVLayer)  # for step's direct path (not imported per step)
         fields = CausalLMOutputWithPast.__dataclass_fields__
         self._out_cls = CausalLMOutputWithPast
         self._cache_field = "cache" if "cache" in fields else "past_key_values"
@@ -325,11 +329,9 @@ class LeanDecode:
         # a plain KVCache on its fused path: each layer appends and hands back its view directly
         # (KVCache.update's checks, transformers' Cache.update and the per-layer switch test
         # cost ~15 µs a layer; the keys and values are this step's own)
-        from .kvcache.cache import KVCache
-        from .kvcache.layer import QuantizedKVLayer
-
-        views = (not dynamic and type(cache) is KVCache and cache._fused()
-                 and all(type(layer) is QuantizedKVLayer and layer.is_initialized and layer.quantized
+        kv_cache, kv_layer = self._kv_types
+        views = (not dynamic and type(cache) is kv_cache and cache._fused()
+                 and all(type(layer) is kv_layer and layer.is_initialized and layer.quantized
                          for layer in cache.layers))
         for L in self._layers:
             h = L.ln1(x)

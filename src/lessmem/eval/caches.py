@@ -161,18 +161,14 @@ def resolve_config(config) -> CacheSpec:
         presets = lessmem_presets()
         if name in presets:
             return CacheSpec(name, _lessmem_factory(name), "lessmem", _to_dict(presets[name]), name)
-        if name.endswith(".json"):  # a KVConfig saved with to_dict (e.g. a per-layer allocation)
-            from lessmem.kvcache.presets import load_config
-
-            cfg = load_config(name)
-            return CacheSpec(Path(name).stem, _lessmem_factory(cfg), "lessmem", cfg.to_dict(), cfg)
-        if ":" in name and (name.split(":")[0] in presets or name.split(":")[0].endswith(".json")):
-            # a preset (or file) with field=value changes
+        base, colon, changes = name.partition(":")
+        if base.endswith(".json") or (colon and base in presets):
+            # a KVConfig saved with to_dict (e.g. a per-layer allocation), or a preset or such a
+            # file with field=value changes after colons: kvcache.presets.resolve reads both
             from lessmem.kvcache.presets import resolve
 
             cfg = resolve(name)
-            base = name.split(":")[0]
-            label = (Path(base).stem if base.endswith(".json") else base) + ":" + name.split(":", 1)[1]
+            label = (Path(base).stem if base.endswith(".json") else base) + colon + changes
             return CacheSpec(label, _lessmem_factory(cfg), "lessmem", cfg.to_dict(), cfg)
         allowed = [BASELINE, *available_peers(), *presets]
         raise ValueError(f"unknown KV config {name!r}; allowed: {', '.join(allowed)}, or a .json "

@@ -206,15 +206,16 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.history is None:
             return []
         B = self.config.block_size
-        out = []
-        for i in range(self.n_history // B):
-            t0, t1 = i * B, (i + 1) * B
-            parts = {}
-            for name, t in self.history.items():
-                side, part = name.split("_", 1)
-                tg = self.layouts[side].tokens_per_row(part)
-                parts[name] = t[:, :, t0 // tg:t1 // tg]
-            out.append(KVBlock(self.history_start + t0, B, parts))
+        return [KVBlock(self.history_start + t0, B, self._history_slice(t0, t0 + B))
+                for t0 in range(0, self.n_history // B * B, B)]
+
+    def _history_slice(self, t0: int, t1: int) -> dict[str, torch.Tensor]:
+        """History tokens ``[t0, t1)`` (on token-group edges) of every part, as views."""
+        out = {}
+        for name, t in self.history.items():
+            side, part = name.split("_", 1)
+            tg = self.layouts[side].tokens_per_row(part)
+            out[name] = t[:, :, t0 // tg:t1 // tg]
         return out
 
     @property
@@ -224,10 +225,16 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # ---- memory ------------------------------------------------------------------
     def fp16_equivalent(self) -> int:
-        """Bytes the same layer would hold in an fp16 cache (every token, keys and values)."""
+        """Bytes the same layer would hold in an fp16 cache (keys and values of
+        ``fp16_tokens``)."""
         if not self.is_initialized:
             return 0
-        return 2 * 2 * self.batch_size * self.num_heads * self.length * self.head_dim
+        return 2 * 2 * self.batch_size * self.num_heads * self.fp16_tokens * self.head_dim
+
+    @property
+    def fp16_tokens(self) -> int:
+        """Tokens an fp16 cache of this layer would hold: every one."""
+        return self.length
 
     def memory(self) -> dict[str, int]:
         """Bytes held by part (see ``KVCache.memory``)."""
@@ -387,20 +394,17 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
         if h == self.n_history:
             self.history = None
         elif h:  # a copy: a view would keep the dropped rows' storage alive
-            self.history = {name: t[:, :, h // self.layouts[name[0]].tokens_per_row(name[2:]):].clone()
-                            for name, t in self.history.items()}
+            self.history = {name: t.clone() for name, t in self._history_slice(h, self.n_history).items()}
         self._read = None
         self.n_history -= h
         if n > h:
             self.window = (self.window[0][:, :, n - h:], self.window[1][:, :, n - h:])
         self.dropped += n
 
-    def fp16_equivalent(self) -> int:
+    @property
+    def fp16_tokens(self) -> int:
         """An fp16 sliding layer (transformers') holds the last ``sliding_window - 1`` tokens."""
-        if not self.is_initialized:
-            return 0
-        n = min(self.length, self.sliding_window - 1)
-        return 2 * 2 * self.batch_size * self.num_heads * n * self.head_dim
+        return min(self.length, self.sliding_window - 1)
 
     def check_truncate(self, length: int) -> None:
         super().check_truncate(length)

@@ -58,6 +58,13 @@ inline __m256 exp_neg8(__m256 x) {
   return _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
 }
 
+// the eight lanes of v summed in pairs: ((0+1)+(2+3))+((4+5)+(6+7))
+inline float hsum8(__m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
 // Σ exp_neg(s[i] − m) over n scores, each replaced by its exponential
 inline float exp_rows(float* __restrict__ s, int64_t n, float m) {
   int64_t i = 0;
@@ -68,9 +75,7 @@ inline float exp_rows(float* __restrict__ s, int64_t n, float m) {
     _mm256_storeu_ps(s + i, p);
     acc = _mm256_add_ps(acc, p);
   }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, acc);
-  float sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  float sum = hsum8(acc);
   for (; i < n; ++i) { const float p = exp_neg(s[i] - m); s[i] = p; sum += p; }
   return sum;
 }
@@ -167,9 +172,7 @@ inline float scale_weights(const float* __restrict__ p, const float* __restrict_
       _mm256_storeu_ps(w + i, _mm256_mul_ps(pv, _mm256_loadu_ps(a + i)));
       acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(z + i), acc);
     }
-    alignas(32) float t[8];
-    _mm256_store_ps(t, acc);
-    sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+    sum = hsum8(acc);
   }
 #endif
   for (; i < n; ++i) { w[i] = p[i] * a[i]; sum += p[i] * z[i]; }
