@@ -15,6 +15,10 @@ three parts, tokens along dim 2:
   bits first), so unpacking is one contiguous, vectorizable loop per slot; at 8 bits a
   byte is a code. Packing ``"stream"`` (any bits): the row's codes as a little-endian bit
   stream (as :func:`~lessmem.formats.packing.pack_bits` writes it).
+  Packing ``"mixed"`` (``channel_bits`` given: bits per channel, non-increasing): the row
+  is the runs of equal bits one after another, each packed as a layout of its own width
+  would pack it (split when its bits divide 8, else stream); a 0-bit run stores no bytes
+  and its codes are 0 (its channels dequantize to ``−scale · z``, the group's constant).
 - ``scale``: fp16 ``[B, H, ceil(T / tg), D / dg]``, one per group of ``tg`` tokens × ``dg``
   channels (``token_group`` × ``channel_group``).
 - ``zero_point``: uint8, the shape of ``scale``; only when ``has_zero_point``.
@@ -44,7 +48,8 @@ import torch
 
 from .packing import pack_bits, unpack_bits
 
-PACKINGS = ("split", "stream")
+PACKINGS = ("split", "stream", "mixed")
+MAX_RUNS = 4  # runs of equal bits in a mixed row (the kernels receive them in one int64)
 PARTS = ("codes", "scale", "zero_point")
 
 
@@ -68,6 +73,7 @@ class KVLayout:
     zero_const: float = 0.0
     levels: tuple[float, ...] | None = None
     packing: str | None = None
+    channel_bits: tuple[int, ...] | None = None
     _luts: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     CODES_DTYPE: ClassVar[torch.dtype] = torch.uint8
@@ -75,6 +81,8 @@ class KVLayout:
     ZERO_POINT_DTYPE: ClassVar[torch.dtype] = torch.uint8
 
     def __post_init__(self):
+        if self.channel_bits is not None:
+            self._check_channel_bits()
         if isinstance(self.bits, bool) or self.bits not in range(1, 9):
             raise ValueError(f"bits={self.bits!r}; allowed: 1 to 8")
         for name in ("head_dim", "channel_group", "token_group"):
@@ -83,12 +91,16 @@ class KVLayout:
         if D % self.channel_group:
             raise ValueError(f"channel_group={self.channel_group} does not divide head_dim={D}; "
                              "allowed: a divisor of head_dim")
+        if self.channel_bits is not None:
+            self._check_runs()
+            return
         if (D * bits) % 8:
             raise ValueError(f"head_dim={D} at {bits} bits is not a whole number of bytes per row; "
                              "allowed: head_dim · bits a multiple of 8")
         packing = self.packing if self.packing is not None else ("split" if 8 % bits == 0 else "stream")
-        if packing not in PACKINGS:
-            raise ValueError(f"packing={packing!r}; allowed: {', '.join(PACKINGS)}")
+        if packing not in PACKINGS[:2]:
+            raise ValueError(f"packing={packing!r}; allowed: {', '.join(PACKINGS[:2])} ('mixed' comes "
+                             "with channel_bits)")
         if packing == "split" and 8 % bits:
             raise ValueError(f"packing 'split' needs bits dividing 8, got bits={bits}; "
                              "allowed: 1, 2, 4, 8 (or packing 'stream')")
@@ -100,10 +112,78 @@ class KVLayout:
             object.__setattr__(self, "levels", levels)
         object.__setattr__(self, "zero_const", float(self.zero_const))
 
+    def _check_channel_bits(self) -> None:
+        cb = self.channel_bits
+        if not isinstance(cb, (tuple, list)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 8 for b in cb):
+            raise ValueError(f"channel_bits={cb!r}; allowed: a tuple of integers 0 to 8, one per channel")
+        cb = tuple(cb)
+        object.__setattr__(self, "channel_bits", cb)
+        if self.bits != max(cb, default=0):
+            raise ValueError(f"bits={self.bits!r} with channel_bits; allowed: their largest, {max(cb, default=0)}")
+
+    def _check_runs(self) -> None:
+        cb, D = self.channel_bits, self.head_dim
+        if len(cb) != D:
+            raise ValueError(f"channel_bits has {len(cb)} entries; allowed: one per channel, head_dim={D}")
+        if any(a < b for a, b in zip(cb, cb[1:], strict=False)):
+            raise ValueError(f"channel_bits={cb!r} rise; allowed: non-increasing bits (channels are stored "
+                             "sorted by their bits)")
+        if self.packing not in (None, "mixed"):
+            raise ValueError(f"packing={self.packing!r} with channel_bits; allowed: 'mixed'")
+        if self.levels is not None or not self.has_zero_point or self.token_group < 2 or self.channel_group != 1:
+            raise ValueError("channel_bits need per-channel groups with zero points (token_group > 1, "
+                             "channel_group 1, has_zero_point, no levels): the uint format per channel")
+        runs = self.runs
+        if len(runs) > MAX_RUNS:
+            raise ValueError(f"channel_bits make {len(runs)} runs of equal bits; allowed: at most {MAX_RUNS}")
+        for b, n in runs:
+            if (b * n) % 8:
+                raise ValueError(f"{n} channels at {b} bits are not a whole number of bytes; allowed: "
+                                 "runs of channels whose bits times count is a multiple of 8")
+        object.__setattr__(self, "packing", "mixed")
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """``(bits, channels)`` of each run of equal bits in the row (one run when uniform)."""
+        if self.channel_bits is None:
+            return ((self.bits, self.head_dim),)
+        out: list[list[int]] = []
+        for b in self.channel_bits:
+            if out and out[-1][0] == b:
+                out[-1][1] += 1
+            else:
+                out.append([b, 1])
+        return tuple((b, n) for b, n in out)
+
+    @property
+    def mean_bits(self) -> float:
+        """Code bits per channel (the mean of ``channel_bits`` when they differ)."""
+        return self.row_bytes * 8 / self.head_dim
+
+    @property
+    def kernel_bits(self) -> int:
+        """The bits as the compiled kernels receive them: ``bits``, or for a mixed row its
+        runs in one int64, 14 bits a run from the lowest: run bits + 16 · channels."""
+        if self.channel_bits is None:
+            return self.bits
+        return sum((b + 16 * n) << (14 * i) for i, (b, n) in enumerate(self.runs))
+
+    def _run_layouts(self):
+        """(byte offset, channel offset, layout of the run or None for 0 bits) per run."""
+        out, byte, ch = [], 0, 0
+        for b, n in self.runs:
+            out.append((byte, ch, KVLayout(bits=b, head_dim=n, channel_group=1) if b else None))
+            byte += n * b // 8
+            ch += n
+        return out
+
     # ---- sizes and part names ---------------------------------------------------
     @property
     def row_bytes(self) -> int:
         """Bytes of one token's packed code row."""
+        if self.channel_bits is not None:
+            return sum(self.channel_bits) // 8
         return self.head_dim * self.bits // 8
 
     @property
@@ -129,6 +209,9 @@ class KVLayout:
         if u.shape[-1] != self.head_dim:
             raise ValueError(f"codes have {u.shape[-1]} channels; allowed: head_dim={self.head_dim}")
         u = u.to(self.CODES_DTYPE)
+        if self.packing == "mixed":
+            rows = [lay.pack(u[..., c:c + lay.head_dim]) for _, c, lay in self._run_layouts() if lay]
+            return torch.cat(rows, -1) if rows else u[..., :0].contiguous()
         if self.bits == 8:
             return u.contiguous()
         if self.packing == "split":  # byte j = Σ_i code[i·D/p + j] << (bits·i)
@@ -143,6 +226,11 @@ class KVLayout:
         """int64 codes ``[..., D]`` from packed rows ``[..., row_bytes]``."""
         if codes.shape[-1] != self.row_bytes:
             raise ValueError(f"code rows of {codes.shape[-1]} bytes; allowed: row_bytes={self.row_bytes}")
+        if self.packing == "mixed":
+            parts = [lay.unpack(codes[..., o:o + lay.row_bytes]) if lay else
+                     torch.zeros(*codes.shape[:-1], n, dtype=torch.long, device=codes.device)
+                     for (o, _, lay), (_, n) in zip(self._run_layouts(), self.runs, strict=True)]
+            return torch.cat(parts, -1)
         if self.bits == 8:
             return codes.long()
         lead = codes.shape[:-1]

@@ -181,7 +181,7 @@ def _side_args(t: QuantSide, parts):
     return ([p[0] for p in parts], [p[1] for p in parts],
             [p[2] for p in parts] if lay.has_zero_point else [],
             lut if lut is not None else empty_f,
-            PACKING_IDS[lay.packing], lay.bits, lay.token_group, lay.channel_group, lay.zero_const)
+            PACKING_IDS[lay.packing], lay.kernel_bits, lay.token_group, lay.channel_group, lay.zero_const)
 
 
 def _kernel_history(kv):

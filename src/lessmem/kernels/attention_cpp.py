@@ -21,7 +21,7 @@ decode row is one call, nothing around it in Python).
 
 Code rows are unpacked as the side's :class:`~lessmem.formats.kvlayout.KVLayout` says:
 the caller passes each side's packing (its id in ``PACKING_IDS``; the ids are compiled
-into the kernel as the constants ``PACK_SPLIT``/``PACK_STREAM`` through ``-D`` flags, so
+into the kernel as the constants ``PACK_SPLIT``/``PACK_STREAM``/``PACK_MIXED`` through ``-D`` flags, so
 the C++ never spells them itself), bits, token and channel groups, constant zero and
 level table.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from ._build import load_cpp_file
 
-PACKING_IDS = {"split": 0, "stream": 1}  # KVLayout.packing -> the id the kernel receives
+PACKING_IDS = {"split": 0, "stream": 1, "mixed": 2}  # KVLayout.packing -> the id the kernel receives
 FUNCTIONS = ["qattn_forward", "qattn_batch", "qattn_rows"]
 
 

@@ -26,11 +26,23 @@ import torch
 
 def unpack_codes(codes: torch.Tensor, layout) -> torch.Tensor:
     """Integer codes [B, H, T, D] from packed rows, as ``layout.packing`` describes them."""
-    c = codes.long()
-    bits, D = layout.bits, layout.head_dim
+    if layout.packing == "mixed":  # runs of equal bits, each a row of its own; 0 bits: codes 0
+        out, byte = [], 0
+        for bits, n in layout.runs:
+            if bits == 0:
+                out.append(torch.zeros(*codes.shape[:-1], n, dtype=torch.long, device=codes.device))
+                continue
+            nb = n * bits // 8
+            out.append(_unpack(codes[..., byte:byte + nb].long(), bits, n, "split" if 8 % bits == 0 else "stream"))
+            byte += nb
+        return torch.cat(out, dim=-1)
+    return _unpack(codes.long(), layout.bits, layout.head_dim, layout.packing)
+
+
+def _unpack(c: torch.Tensor, bits: int, D: int, packing: str) -> torch.Tensor:
     if bits == 8:
         return c
-    if layout.packing == "split":
+    if packing == "split":
         per, mask = 8 // bits, (1 << bits) - 1
         parts = [(c >> (bits * i)) & mask for i in range(per)]  # slot i: channels i·D/p + j
         return torch.cat(parts, dim=-1)

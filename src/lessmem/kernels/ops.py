@@ -131,6 +131,12 @@ def _fake(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, 
 
 def _triton_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, v_zero_point,
                     v_lut, v_layout, mask, seg):
+    if "mixed" in (layout_of(k_layout).packing, layout_of(v_layout).packing):
+        # bits per channel: not a layout the Triton kernel reads; torch ops on the device
+        from .attention import _check_op, _history_of, torch_attention
+
+        kv = _history_of(k_codes, k_scale, k_zero_point, k_layout, v_codes, v_scale, v_zero_point, v_layout, seg)
+        return torch_attention(q, kv, _check_op(q, kv, mask))
     from . import attention_triton  # imported on first CUDA call: triton costs ~0.25 s to import
 
     return attention_triton.attention_parts(

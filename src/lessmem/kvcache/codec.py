@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from ..formats.codebook import assign, gaussian_codebook
-from ..formats.integer import choose_qparams, quantize_grouped
+from ..formats.integer import _store, choose_qparams, quantize_grouped
 from ..formats.kvlayout import KVLayout
 from .config import KVTensorConfig
 
@@ -65,6 +65,26 @@ class Encoded:
 def _affine(xg, spec: KVTensorConfig, lay: KVLayout):
     scale, zp = choose_qparams(xg, spec.bits, not lay.has_zero_point, spec.clip_ratio, lay.SCALE_DTYPE)
     return quantize_grouped(xg, scale, zp, spec.bits), scale, zp
+
+
+def _affine_channels(xg, spec: KVTensorConfig, lay: KVLayout):
+    """Per-channel groups at each channel's own bits (``spec.channel_bits``; row r of the
+    grouped view is channel r mod D). A 0-bit channel stores its group's mean as
+    ``−scale · z`` with z = 1 and no code (its code is 0)."""
+    bits = torch.tensor(spec.channel_bits, device=xg.device).repeat(xg.shape[0] // len(spec.channel_bits))
+    xf = xg.float()
+    qmax = (2.0 ** bits.float() - 1).clamp(min=1)
+    lo = xf.amin(dim=1).clamp(max=0) * spec.clip_ratio
+    hi = xf.amax(dim=1).clamp(min=0) * spec.clip_ratio
+    scale = _store((hi - lo) / qmax, lay.SCALE_DTYPE, round_up=True)  # as choose_qparams
+    zp = torch.round(-lo / scale.float()).clamp(torch.zeros_like(qmax), qmax)
+    u = (torch.round(xf / scale.float().unsqueeze(1)) + zp.unsqueeze(1)).clamp(
+        torch.zeros_like(qmax).unsqueeze(1), qmax.unsqueeze(1))
+    zero = bits == 0
+    scale = torch.where(zero, (-xf.mean(dim=1)).to(lay.SCALE_DTYPE), scale)
+    zp = torch.where(zero, torch.ones_like(zp), zp)
+    u = torch.where(zero.unsqueeze(1), torch.zeros_like(u), u)
+    return u.to(torch.uint8), scale, zp.to(torch.uint8)
 
 
 def _fp8(xg, spec: KVTensorConfig, lay: KVLayout):
@@ -128,6 +148,11 @@ def kv_layout(spec: KVTensorConfig, head_dim: int) -> KVLayout:
     check_head_dim(spec, head_dim)
     tg, dg = spec.group_shape(head_dim)
     fields = FORMATS[spec.format].layout(spec.format, spec.bits)
+    if spec.channel_bits:
+        if len(spec.channel_bits) != head_dim:
+            raise ValueError(f"channel_bits has {len(spec.channel_bits)} entries; allowed: one per channel, "
+                             f"head_dim={head_dim}")
+        fields["channel_bits"] = spec.channel_bits
     return KVLayout(bits=spec.bits, head_dim=head_dim, channel_group=dg, token_group=tg, **fields)
 
 
@@ -141,9 +166,9 @@ def encode(x: torch.Tensor, spec: KVTensorConfig, layout: KVLayout | None = None
     own = kv_layout(spec, D)
     lay = own if layout is None else layout
     if lay is not own and (lay.bits, lay.head_dim, lay.token_group, lay.channel_group, lay.has_zero_point,
-                           lay.zero_const, lay.levels) != (own.bits, own.head_dim, own.token_group,
-                                                           own.channel_group, own.has_zero_point,
-                                                           own.zero_const, own.levels):
+                           lay.zero_const, lay.levels, lay.channel_bits) != (
+                               own.bits, own.head_dim, own.token_group, own.channel_group,
+                               own.has_zero_point, own.zero_const, own.levels, own.channel_bits):
         raise ValueError(f"layout {lay!r} does not store format {spec.format}{spec.bits} "
                          f"(expected {own!r} up to packing)")
     tg, dg = lay.token_group, lay.channel_group
@@ -154,7 +179,8 @@ def encode(x: torch.Tensor, spec: KVTensorConfig, layout: KVLayout | None = None
         xg = xf.view(B, H, T // tg, tg, D).transpose(3, 4).reshape(-1, tg)
     else:  # per-token groups: (B, H, T, D/dg) of dg channels each
         xg = xf.reshape(-1, dg)
-    u, scale, zp = FORMATS[spec.format].quantize(xg, spec, lay)
+    quantize = _affine_channels if spec.channel_bits else FORMATS[spec.format].quantize
+    u, scale, zp = quantize(xg, spec, lay)
     if tg > 1:
         # contiguous: with one group (T == tg) reshape returns a strided view, not a copy
         u = u.view(B, H, T // tg, D, tg).transpose(3, 4).reshape(B, H, T, D).contiguous()

@@ -91,6 +91,13 @@ def _check_keys(owner: str, d, names: list[str]) -> dict:
     return dict(d)
 
 
+def _sequence(name: str, v) -> tuple:
+    """A tuple/list field as a tuple (a lone str, number or dict is refused, not iterated)."""
+    if not isinstance(v, (tuple, list, range)):
+        raise ConfigTypeError(f"{name}={v!r}; allowed: a tuple or list{_got(v)}")
+    return tuple(v)
+
+
 @dataclass(frozen=True)
 class KVTensorConfig:
     """How one of keys/values is quantized: ``format``, ``bits``, ``granularity``.
@@ -109,8 +116,11 @@ class KVTensorConfig:
     bits: int = 4
     granularity: Granularity = field(default_factory=PerToken)
     clip_ratio: float = 1.0
+    channel_bits: tuple[int, ...] = ()
+    channel_order: tuple[int, ...] = ()
 
     def __post_init__(self):
+        self._check_channels()
         if not isinstance(self.format, str) or self.format not in FORMATS:
             raise ValueError(f"format={self.format!r}; allowed: {', '.join(FORMATS)}")
         allowed_bits = {"none": (16,), "int": (2, 3, 4, 8), "uint": (2, 3, 4, 8),
@@ -122,7 +132,7 @@ class KVTensorConfig:
         object.__setattr__(self, "bits", int(self.bits))
         if self.format == "none":
             return  # full precision: bits and granularity are not used
-        if self.bits not in allowed_bits:
+        if self.bits not in allowed_bits and not (self.channel_bits and 1 <= self.bits <= 8):
             raise ValueError(f"bits={self.bits!r} for format {self.format!r}; allowed: {listed}")
         g = self.granularity
         ok = isinstance(g, PerToken) or (isinstance(g, PerGroup) and g.axis in (-1, -2))
@@ -134,6 +144,35 @@ class KVTensorConfig:
         if not (math.isfinite(c) and 0.5 <= c <= 1.0):
             raise ValueError(f"clip_ratio={c!r}; allowed: a number in [0.5, 1.0]")
         object.__setattr__(self, "clip_ratio", float(c))
+
+    def _check_channels(self) -> None:
+        """``channel_bits`` / ``channel_order`` (see :meth:`with_channels`) as tuples, checked."""
+        cb = _sequence("channel_bits", self.channel_bits)
+        order = _sequence("channel_order", self.channel_order)
+        object.__setattr__(self, "channel_bits", tuple(_check_int("channel_bits entry", b, 0) for b in cb))
+        object.__setattr__(self, "channel_order", tuple(_check_int("channel_order entry", i, 0) for i in order))
+        cb, order = self.channel_bits, self.channel_order
+        if not cb and not order:
+            return
+        if not cb:
+            raise ValueError("channel_order without channel_bits; allowed: both (channel_order may be () "
+                             "for the model's order)")
+        if self.format != "uint" or not self.per_channel:
+            raise ValueError(f"channel_bits with format {self.format!r} {self.granularity!r}; allowed: "
+                             "format 'uint' per channel (PerGroup(G, axis=-2))")
+        if any(b > 8 for b in cb) or any(a < b for a, b in zip(cb, cb[1:], strict=False)):
+            raise ValueError(f"channel_bits={cb!r}; allowed: integers 0 to 8, non-increasing (the stored "
+                             "channels sorted by their bits)")
+        if self.bits != max(cb):
+            raise ValueError(f"bits={self.bits!r} with channel_bits; allowed: their largest, {max(cb)}")
+        if order and sorted(order) != list(range(len(cb))):
+            raise ValueError(f"channel_order={order!r}; allowed: a permutation of 0..{len(cb) - 1} (the "
+                             "model channel stored at each position)")
+
+    @property
+    def code_bits(self) -> float:
+        """Code bits per element: ``bits``, or the mean of ``channel_bits``."""
+        return sum(self.channel_bits) / len(self.channel_bits) if self.channel_bits else float(self.bits)
 
     @property
     def quantized(self) -> bool:
@@ -161,15 +200,20 @@ class KVTensorConfig:
         if not self.quantized:
             return 16.0
         tg, dg = self.group_shape(head_dim)
-        return self.bits + (16 + (8 if self.has_zero_point else 0)) / (tg * dg)
+        return self.code_bits + (16 + (8 if self.has_zero_point else 0)) / (tg * dg)
 
     def to_dict(self) -> dict:
-        return {"format": self.format, "bits": self.bits,
-                "granularity": self.granularity.to_dict(), "clip_ratio": self.clip_ratio}
+        d = {"format": self.format, "bits": self.bits,
+             "granularity": self.granularity.to_dict(), "clip_ratio": self.clip_ratio}
+        if self.channel_bits:  # written only when used: files of earlier versions stay valid
+            d["channel_bits"], d["channel_order"] = list(self.channel_bits), list(self.channel_order)
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> KVTensorConfig:
         """Inverse of ``to_dict``: exactly its keys (unknown or missing keys are an error)."""
+        if isinstance(d, dict):
+            d = {"channel_bits": (), "channel_order": (), **d}
         d = _check_keys("KVTensorConfig", d, [f.name for f in fields(KVTensorConfig)])
         g = d["granularity"]
         if not isinstance(g, dict):
@@ -184,13 +228,6 @@ class KVTensorConfig:
 
 
 NONE = KVTensorConfig("none", 16)
-
-
-def _sequence(name: str, v) -> tuple:
-    """A tuple/list field as a tuple (a lone str, number or dict is refused, not iterated)."""
-    if not isinstance(v, (tuple, list, range)):
-        raise ConfigTypeError(f"{name}={v!r}; allowed: a tuple or list{_got(v)}")
-    return tuple(v)
 
 
 def _override(o) -> tuple:
@@ -257,6 +294,12 @@ class KVConfig:
         ovs = tuple(_override(o) for o in _sequence("layer_overrides", self.layer_overrides))
         object.__setattr__(self, "layer_overrides", ovs)
         for _layer, k, v in ((None, self.keys, self.values), *ovs):
+            if k.channel_bits and self.rotate_keys:
+                raise ValueError("keys with channel_bits and rotate_keys=True; allowed: rotate_keys=False "
+                                 "(channel bits are calibrated on the model's own key channels)")
+            if v.channel_bits:
+                raise ValueError("channel_bits on the values; allowed: on the keys only (per-channel "
+                                 "groups are a key layout)")
             for t in (k, v):
                 if t.per_channel and self.block_size % t.granularity.size:
                     raise ValueError(
@@ -313,7 +356,7 @@ class KVConfig:
 
         def side(t: KVTensorConfig):
             tg, dg = t.group_shape(10**9)
-            return (t.bits, tg, None if dg == 10**9 else dg, 2.0, 1.0 if t.has_zero_point else 0.0)
+            return (t.code_bits, tg, None if dg == 10**9 else dg, 2.0, 1.0 if t.has_zero_point else 0.0)
 
         kb, ktg, kdg, ks, kz = side(self.keys)
         vb, vtg, vdg, vs, vz = side(self.values)
@@ -342,8 +385,9 @@ class KVConfig:
                                      f"{base.granularity!r}) cannot be described to the planner; "
                                      "allowed: overrides of the bits only")
         if not pairs:
-            return float(self.keys.bits), float(self.values.bits)
-        return (sum(k.bits for k, _ in pairs) / len(pairs), sum(v.bits for _, v in pairs) / len(pairs))
+            return self.keys.code_bits, self.values.code_bits
+        return (sum(k.code_bits for k, _ in pairs) / len(pairs),
+                sum(v.code_bits for _, v in pairs) / len(pairs))
 
     def replace(self, **changes) -> KVConfig:
         return replace(self, **changes)

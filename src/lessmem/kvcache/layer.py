@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..formats.permutation import channel_permutation
 from ..kernels.attention import QuantKV, QuantSide
 from .block import KVBlock
 from .codec import kv_layout
@@ -87,6 +88,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             )
         self.quantized = self.kspec.quantized
         self.rot_k = rotations[0] if self.quantized else None
+        if self.quantized and self.kspec.channel_order:  # keys stored sorted by their channel bits
+            self.rot_k = channel_permutation(self.kspec.channel_order)
         self.rot_v = rotations[1] if self.quantized else None
         self._fused = fused
         self.reset()

@@ -341,6 +341,9 @@ def _encode(x, spec, layout=None, recip: bool | None = None, tile: int | None = 
         raise ValueError(f"x is {what}; allowed: a 4-D [B, H, T, D] tensor of "
                          f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
     B, H, T, D = x.shape
+    if spec.channel_bits:
+        raise NotImplementedError("the Triton KV store kernel does not take channel_bits (bits per channel); "
+                                  "use codec.encode")
     if spec.quantized and spec.format not in SUPPORTED_FORMATS:
         raise NotImplementedError(f"the Triton KV store kernel does not take format {spec.format!r}; "
                                   f"allowed: {', '.join(SUPPORTED_FORMATS)} (use lessmem.kvcache.codec.encode)")

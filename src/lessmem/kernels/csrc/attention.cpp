@@ -17,10 +17,11 @@
 namespace {
 constexpr int TILE = 32;
 // KVLayout.packing ids, given by the Python side (attention_cpp.PACKING_IDS) as -D flags
-#if !defined(LESSMEM_PACK_SPLIT) || !defined(LESSMEM_PACK_STREAM)
-#error "build with -DLESSMEM_PACK_SPLIT=<id> -DLESSMEM_PACK_STREAM=<id> (see kernels/attention_cpp.py)"
+#if !defined(LESSMEM_PACK_SPLIT) || !defined(LESSMEM_PACK_STREAM) || !defined(LESSMEM_PACK_MIXED)
+#error "build with -DLESSMEM_PACK_SPLIT=<id> -DLESSMEM_PACK_STREAM=<id> -DLESSMEM_PACK_MIXED=<id> (see kernels/attention_cpp.py)"
 #endif
-constexpr int PACK_SPLIT = LESSMEM_PACK_SPLIT, PACK_STREAM = LESSMEM_PACK_STREAM;
+constexpr int PACK_SPLIT = LESSMEM_PACK_SPLIT, PACK_STREAM = LESSMEM_PACK_STREAM, PACK_MIXED = LESSMEM_PACK_MIXED;
+constexpr int MAX_RUNS = 4;  // runs of equal bits in a mixed row (formats/kvlayout.py)
 const float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (softmax after max subtraction), vectorizable: 2^n · p(r) with
@@ -189,6 +190,9 @@ struct QSide {
   const float* lut;
   float lut16[16] = {0.f};  // the level table padded to 16 entries (bits <= 4: looked up in registers)
   int packing, bits, tg, dg, rb;  // rb: bytes per row
+  // a mixed row (PACK_MIXED): runs of nrun[i] channels at rbits[i] bits, one after another,
+  // each packed as a row of its own (split when its bits divide 8, else stream)
+  int nruns = 0, rbits[MAX_RUNS] = {}, nrun[MAX_RUNS] = {};
   float zc;              // constant zero (symmetric int) when zp is absent
   int64_t srow;          // scale entries per scale row = D / dg
   int64_t seg;           // tokens per segment (all but the last)
@@ -245,6 +249,25 @@ inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* ou
   }
 }
 
+// A mixed row: each run unpacked as its own row; a 0-bit run's codes are 0.
+inline void unpack_mixed(const uint8_t* p, const QSide& q, float* out) {
+  for (int i = 0; i < q.nruns; ++i) {
+    const int b = q.rbits[i], n = q.nrun[i];
+    if (b == 0) {
+      std::fill(out, out + n, 0.f);
+    } else {
+      unpack_row(p, 8 % b == 0 ? PACK_SPLIT : PACK_STREAM, b, n, out);
+      p += n * b / 8;
+    }
+    out += n;
+  }
+}
+
+inline void unpack_side(const uint8_t* p, const QSide& q, int D, float* out) {
+  if (q.packing == PACK_MIXED) unpack_mixed(p, q, out);
+  else unpack_row(p, q.packing, q.bits, D, out);
+}
+
 // Decoder of one (b, h) stream. Per-channel groups (tg > 1): the group's scales and
 // zero points are expanded to D floats once per tg tokens. Per-token groups (tg == 1):
 // each token's D/dg scales are applied group by group (x = s·c − s·z, one FMA).
@@ -269,7 +292,7 @@ struct RowDecoder {
   template <int DC>
   inline void raw(int64_t t, float* __restrict__ out) {
     if (t < s0 || t >= s1) locate(t);
-    unpack_row(cb + (t - s0) * q.rb, q.packing, q.bits, DC > 0 ? DC : this->D, out);
+    unpack_side(cb + (t - s0) * q.rb, q, DC > 0 ? DC : this->D, out);
   }
   // codes (as floats) -> their levels, in place
   inline void lookup(float* __restrict__ cp, int D) const {
@@ -297,7 +320,7 @@ struct RowDecoder {
     float* __restrict__ cp = c.data();
     if (t < s0 || t >= s1) locate(t);
     const int64_t lt = t - s0;
-    unpack_row(cb + lt * q.rb, q.packing, q.bits, D, cp);
+    unpack_side(cb + lt * q.rb, q, D, cp);
     if (q.lut) lookup(cp, D);
     const int ng = D / q.dg;
     const at::Half* sp = scale_row(t);
@@ -332,8 +355,22 @@ void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bit
                 double zc, int D, int64_t seg, int64_t rb) {
   s.lut = lut.numel() ? lut.data_ptr<float>() : nullptr;
   for (int64_t i = 0; i < std::min<int64_t>(lut.numel(), 16); ++i) s.lut16[i] = s.lut[i];
-  LM_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM, "qattn: unknown packing id ", packing);
-  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
+  LM_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM || packing == PACK_MIXED, "qattn: unknown packing id ",
+           packing);
+  s.packing = (int)packing; s.bits = (int)bits;
+  if (packing == PACK_MIXED) {  // bits: 14 bits a run from the lowest, run bits + 16 * channels (KVLayout.kernel_bits)
+    int64_t total = 0, bytes = 0;
+    s.bits = 0;
+    for (int i = 0; i < MAX_RUNS; ++i) {
+      const int64_t r = (bits >> (14 * i)) & 16383, b = r & 15, n = r >> 4;
+      if (n == 0) break;
+      LM_CHECK(b <= 8 && (b * n) % 8 == 0, "qattn: mixed run of ", n, " channels at ", b, " bits");
+      s.rbits[s.nruns] = (int)b; s.nrun[s.nruns] = (int)n; ++s.nruns;
+      total += n; bytes += b * n / 8; s.bits = std::max(s.bits, (int)b);
+    }
+    LM_CHECK(total == D && bytes == rb, "qattn: mixed runs of ", total, " channels, ", bytes,
+             " bytes; the row has ", D, " channels, ", rb, " bytes");
+  } s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
   s.rb = (int)rb; s.srow = D / dg; s.seg = seg;
 }
 
