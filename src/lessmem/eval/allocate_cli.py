@@ -7,6 +7,10 @@ the table and later runs read it), then writes the allocation of least measured 
 bits, with window and sinks counted at ``--context`` tokens, fit ``--bits``. The file is a
 KVConfig that ``--kv`` takes wherever it takes a preset name.
 
+``--channels`` then spends each layer's key bits per channel
+(``lessmem.eval.channels``: the bits go where queries meet large key errors; the keys are
+stored unrotated, their channels sorted by bits), calibrated on ``--text`` in seconds.
+
 Example:
     $ lessmem kv-allocate --bits 3.5 --text wiki.train.raw --sensitivity sens.json --out kv-3.5.json
     $ lessmem eval --kv kv-3.5.json,best-3 --text wikitext2
@@ -47,6 +51,9 @@ def add_arguments(p) -> None:
                    help="tokens per window (default 512)")
     p.add_argument("--chunk", type=T.integer(1, T.MAX_TOKENS), default=32,
                    help="tokens per step after the prefill (default 32)")
+    p.add_argument("--channels", action="store_true",
+                   help="spend each layer's key bits per channel, calibrated on --text (keys stored "
+                        "unrotated, sorted by their bits; lowers the error of 2- and 3-bit keys)")
     p.add_argument("--threads", type=T.THREADS, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
@@ -70,6 +77,10 @@ def check(args) -> None:
         raise T.OptionError("--choices", ",".join(map(str, args.choices)), f"{exc} ({args.layout}'s "
                             f"keys are {layout.keys.format}, values {layout.values.format})") from None
     args.choices = choices
+    if args.channels and not (layout.keys.format == "uint" and layout.keys.per_channel):
+        raise T.OptionError("--channels", "", f"{args.layout}'s keys are {layout.keys.format} "
+                            f"{layout.keys.granularity!r}; allowed: a --layout with uint keys per channel "
+                            "(best-3, best-4, best-2, kivi-2, kivi-4)")
     if args.bits < choices[0]:
         raise T.OptionError("--bits", args.bits, f"allowed: at least {choices[0]} (the lowest of "
                             "--choices, before scales, window and sinks add to it)")
@@ -134,13 +145,20 @@ def run(args) -> int:
             write_atomic(args.sensitivity, json.dumps(sens.to_dict(), indent=1) + "\n")
             prog.say(f"wrote {args.sensitivity}")
     out = allocate_all_in(sens, args.bits, kv_heads=kv_heads, head_dim=hd, context=context)
-    write_atomic(args.out, json.dumps(out.to_dict(), indent=1) + "\n")
-    kb, vb = out.effective_bits(hd, num_layers=n)
-    cost = sens.cost(out)
     print(f"keys   bits by layer: {''.join(str(out.for_layer(i)[0].bits) for i in range(n))}")
     print(f"values bits by layer: {''.join(str(out.for_layer(i)[1].bits) for i in range(n))}")
+    if args.channels:
+        from lessmem.eval.channels import calibrate_channels
+        from lessmem.eval.perplexity import make_windows
+
+        text_name, text = load_text(args.text)
+        prog.say(f"key bits per channel: {args.windows} x {args.window_len} tokens of {text_name}")
+        out = calibrate_channels(model, make_windows(tok, text, args.windows, args.window_len), None, out)
+    write_atomic(args.out, json.dumps(out.to_dict(), indent=1) + "\n")
+    kb, vb = out.effective_bits(hd, num_layers=n)
+    measured = "" if args.channels else f"; summed measured KLD {sens.cost(out):.5f}"
     print(f"K {kb:.3f} / V {vb:.3f} effective bits; {all_in_bits(out, n, kv_heads, hd, context):.3f} "
-          f"with window and sinks at {context} tokens; summed measured KLD {cost:.5f}")
+          f"with window and sinks at {context} tokens{measured}")
     print(f"wrote {args.out}  (use it: lessmem eval --kv {args.out})")
     return 0
 
