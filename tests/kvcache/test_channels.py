@@ -110,6 +110,26 @@ def test_fused_kernel_and_torch_path_read_mixed_rows_like_the_reference(cb):
         assert (o - ref_o).abs().max() < 1e-5 and (lse - ref_lse).abs().max() < 1e-5
 
 
+def test_per_head_permutation_matches_its_matrices_for_kv_and_query_heads():
+    from lessmem.formats.permutation import channel_permutation
+
+    g = torch.Generator().manual_seed(4)
+    orders = torch.stack([torch.randperm(8, generator=g) for _ in range(2)]).flatten().tolist()
+    p = channel_permutation(tuple(orders), 8)
+    assert p.per_head and p.heads == 2
+    for heads in (2, 6):  # KV heads, and query heads three to a KV head
+        x = torch.randn(1, heads, 5, 8, generator=g)
+        y = p.rotate(x)
+        assert torch.equal(y, x @ p.transposed(heads)) and torch.equal(p.inverse(y), x)
+        kv = heads // 2 if heads > 2 else 1
+        for h in range(heads):
+            assert torch.equal(y[0, h], x[0, h][:, orders[8 * (h // kv):8 * (h // kv) + 8]])
+    with pytest.raises(ValueError, match="multiple"):
+        p.rotate(torch.randn(1, 3, 5, 8))
+    with pytest.raises(ValueError, match="one such permutation per KV head"):
+        _spec(order=tuple(range(64)) + (0,) * 64)
+
+
 def test_allocation_spends_bits_where_the_score_error_is_and_keeps_rows_whole():
     D = 64
     weight = torch.logspace(2, -3, D, dtype=torch.float64)  # E[q²]·var(k) falling over channels
@@ -133,14 +153,19 @@ def _run(model, cache, ids, prefill):
     return torch.cat(out, 1)
 
 
-def test_calibrated_cache_tracks_dynamic_and_fused_equals_dequantized():
+@pytest.mark.parametrize("per_head", [True, False])
+def test_calibrated_cache_tracks_dynamic_and_fused_equals_dequantized(per_head):
     model = tiny_random("llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2)
     gen = torch.Generator().manual_seed(3)
     cfg = calibrate_channels(model, torch.randint(3, 270, (2, 128), generator=gen), 2.0,
-                             PRESETS["best-2"].replace(window=16), token_group=32)
+                             PRESETS["best-2"].replace(window=16), token_group=32, per_head=per_head)
     assert cfg.rotate_keys is False and len(cfg.layer_overrides) == 2
+    heads = 2 if per_head else 1
     for _, k, _v in cfg.layer_overrides:
-        assert k.code_bits <= 2.0 and sorted(k.channel_order) == list(range(32))
+        assert k.code_bits <= 2.0 and len(k.channel_order) == 32 * heads
+        assert all(sorted(k.channel_order[i:i + 32]) == list(range(32)) for i in range(0, 32 * heads, 32))
+    if per_head:
+        assert any(k.channel_order[:32] != k.channel_order[32:] for _, k, _v in cfg.layer_overrides)
     ids = torch.randint(3, 270, (1, 120), generator=gen)
     ref = _run(model, DynamicCache(config=model.config), ids, 100)
     got = _run(model, KVCache(model.config, cfg), ids, 100)

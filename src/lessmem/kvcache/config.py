@@ -165,9 +165,12 @@ class KVTensorConfig:
                              "channels sorted by their bits)")
         if self.bits != max(cb):
             raise ValueError(f"bits={self.bits!r} with channel_bits; allowed: their largest, {max(cb)}")
-        if order and sorted(order) != list(range(len(cb))):
-            raise ValueError(f"channel_order={order!r}; allowed: a permutation of 0..{len(cb) - 1} (the "
-                             "model channel stored at each position)")
+        n = len(cb)
+        if order and (len(order) % n or any(sorted(order[i:i + n]) != list(range(n))
+                                            for i in range(0, len(order), n))):
+            raise ValueError(f"channel_order={order!r}; allowed: a permutation of 0..{n - 1} (the model "
+                             "channel stored at each position), or one such permutation per KV head, "
+                             "one after another")
 
     @property
     def code_bits(self) -> float:

@@ -89,7 +89,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.quantized = self.kspec.quantized
         self.rot_k = rotations[0] if self.quantized else None
         if self.quantized and self.kspec.channel_order:  # keys stored sorted by their channel bits
-            self.rot_k = channel_permutation(self.kspec.channel_order)
+            self.rot_k = channel_permutation(self.kspec.channel_order, len(self.kspec.channel_bits))
         self.rot_v = rotations[1] if self.quantized else None
         self._fused = fused
         self.reset()
@@ -173,7 +173,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         kf, vf = k.float(), v.float()
         if self.rot_k is not None:  # rotate(x) = x @ Rᵀ (dense matmul: faster than the FWHT loop)
-            kf = kf @ _rot_matrix(self.rot_k, kf.device)
+            kf = kf @ _rot_matrix(self.rot_k, kf.device, kf.shape[1])
         if self.rot_v is not None:
             vf = vf @ _rot_matrix(self.rot_v, vf.device)
         encoded = (("k", encode_chunk(kf, self.kspec)), ("v", encode_chunk(vf, self.vspec)))

@@ -105,17 +105,26 @@ PREFILL_DEQUANT_QUERIES = 64  # from this many (unmasked), dequantize the histor
 PREFILL_SLICE_TOKENS = 2048  # ... a slice of this many history tokens at a time
 
 
-def _rot_matrix(rot, device) -> torch.Tensor:
-    """Rᵀ as a dense matrix, so rotate(x) = x @ Rᵀ and inverse(y) = y @ R (cached)."""
+def _rot_matrix(rot, device, heads: int | None = None) -> torch.Tensor:
+    """Rᵀ as a dense matrix, so rotate(x) = x @ Rᵀ and inverse(y) = y @ R (cached). A
+    rotation with one matrix per KV head (``per_head``: a layer's keys stored at calibrated
+    bits per channel) gives [heads, n, n] for the ``heads`` on the axis x has at −3 (KV heads
+    for keys, query heads for queries)."""
+    per_head = getattr(rot, "per_head", False)
     cache = rot.__dict__.setdefault("_lessmem_rt", {})
-    if device not in cache:
-        cache[device] = rot.rotate(torch.eye(rot.n, device=device))
-    return cache[device]
+    key = (device, heads) if per_head else device
+    if key not in cache:
+        if per_head:
+            cache[key] = rot.transposed(heads).to(device)
+        else:
+            cache[key] = rot.rotate(torch.eye(rot.n, device=device))
+    return cache[key]
 
 
-def _rot_matrices(view) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(Rᵀ of the keys' rotation, R of the values'), as ``fused_attention_rows`` takes them."""
-    rk = _rot_matrix(view.rot_k, "cpu") if view.rot_k is not None else None
+def _rot_matrices(view, heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(Rᵀ of the keys' rotation, R of the values'), as ``fused_attention_rows`` takes them
+    (``heads``: the query heads, for a rotation with one matrix per KV head)."""
+    rk = _rot_matrix(view.rot_k, "cpu", heads).contiguous() if view.rot_k is not None else None
     if view.rot_v is None:
         return rk, None
     cache = view.rot_v.__dict__.setdefault("_lessmem_r", {})
@@ -135,7 +144,7 @@ def attend_decode_rows(views: list, q: torch.Tensor, scaling: float) -> torch.Te
     then go through ``LayerView.attend``'s op path, Triton on CUDA)."""
     if q.device.type != "cpu":  # the one-call kernel reads CPU memory: the caller takes the op path
         return None
-    rk, rv = _rot_matrices(views[0])
+    rk, rv = _rot_matrices(views[0], q.shape[1])
     return fused_attention_rows(q, scaling, rk, rv, [v.history for v in views], [v.fp_pieces() for v in views])
 
 
@@ -203,7 +212,7 @@ class LayerView:
             m_h = m[..., s:s + nh]
             m_f = torch.cat([m[..., :s], m[..., s + nh:]], dim=-1)
         q_f = qf * scaling
-        q_h = q_f @ _rot_matrix(self.rot_k, qf.device) if self.rot_k is not None else q_f
+        q_h = q_f @ _rot_matrix(self.rot_k, qf.device, Hq) if self.rot_k is not None else q_f
         res = fused_attention(q_h, self.history, m_h, q_f, kf, vf, m_f, causal=mask is None and Tq > 1)
         if res is None:
             return None
@@ -257,7 +266,7 @@ class LayerView:
         Transient memory is one slice's float keys and values, whatever the context length."""
         B, Hq, Tq, D = qf.shape
         out, lse = _fp_attention(qf, kf, vf, _causal_tail(kf.shape[2], Tq, qf.device), scaling)
-        qh = qf @ _rot_matrix(self.rot_k, qf.device) if self.rot_k is not None else qf
+        qh = qf @ _rot_matrix(self.rot_k, qf.device, Hq) if self.rot_k is not None else qf
         Hkv = self.history.n_kv_heads
         qg = qh.reshape(B, Hkv, Hq // Hkv * Tq, D)  # query heads of one KV head as rows
         out_h = lse_h = None

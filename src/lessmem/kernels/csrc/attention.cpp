@@ -790,16 +790,19 @@ std::vector<torch::Tensor> qattn_batch(
   return {out_h, out_f};
 }
 
-// x [R, Hq, D] times m [D, D] (x @ m), row by row: the same sums whatever R is.
+// x [R, Hq, D] times m [D, D] (x @ m), row by row: the same sums whatever R is; m [Hq, D, D]:
+// head h's rows times m[h] (a rotation with one matrix per KV head, given per query head).
 static torch::Tensor rows_times(const torch::Tensor& x, const torch::Tensor& m) {
-  const int64_t n = x.size(0) * x.size(1), D = x.size(2);
+  const int64_t n = x.size(0) * x.size(1), Hq = x.size(1), D = x.size(2);
+  const bool per_head = m.dim() == 3;
   auto out = torch::zeros_like(x);
   const float* xp = x.data_ptr<float>(); const float* mp = m.data_ptr<float>(); float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     float* __restrict__ o = op + i * D;
+    const float* mh = per_head ? mp + (i % Hq) * D * D : mp;
     for (int64_t k = 0; k < D; ++k) {
       const float a = xp[i * D + k];
-      const float* __restrict__ row = mp + k * D;
+      const float* __restrict__ row = mh + k * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) o[d] += a * row[d];
     }
@@ -809,7 +812,7 @@ static torch::Tensor rows_times(const torch::Tensor& x, const torch::Tensor& m) 
 
 // Decode rows as qattn_batch, the query's scaling and the rotations included, one output:
 // q [R, Hq, D] float32 as the model made it (unscaled, unrotated); rk = Rᵀ of the keys'
-// rotation (x @ rk rotates; empty: none), rv = R of the values' (y @ rv undoes it; empty:
+// rotation (x @ rk rotates; empty: none; [Hq, D, D]: one per query head), rv = R of the values' (y @ rv undoes it; empty:
 // none). Returns out [R, Hq, D] = out_f + out_h·rv. Each row's result does not depend on
 // the others (rows are rotated one by one, in the same order of sums).
 torch::Tensor qattn_rows(
@@ -822,8 +825,10 @@ torch::Tensor qattn_rows(
   const int64_t D = q.size(2);
   for (const auto* m : {&rk, &rv})
     LM_CHECK(m->numel() == 0 || (m->dim() == 2 && m->size(0) == D && m->size(1) == D
-                                    && m->scalar_type() == torch::kFloat32 && m->is_contiguous()),
-                "qattn_rows: rotation matrices must be contiguous float32 [D, D] (or empty)");
+                                    && m->scalar_type() == torch::kFloat32 && m->is_contiguous())
+                || (m == &rk && m->dim() == 3 && m->size(0) == q.size(1) && m->size(1) == D && m->size(2) == D
+                    && m->scalar_type() == torch::kFloat32 && m->is_contiguous()),
+                "qattn_rows: rotation matrices must be contiguous float32 [D, D] (keys: or [Hq, D, D]), or empty");
   auto qf = (q.to(torch::kFloat32) * scale).contiguous();
   auto qh = rk.numel() ? rows_times(qf, rk) : qf;
   auto outs = qattn_batch(qh, qf, tables, Hkv, klut, kpack, kbits, ktg, kdg, kzc, vlut, vpack, vbits, vtg, vdg,
