@@ -403,6 +403,7 @@ ROWS = [
     ((*A, "--layout", "best-9"), "--layout"),
     ((*A, "--choices", "5"), "--choices"),  # best-3's values are Lloyd-Max: 2, 3 or 4 bits
     ((*A, "--choices", "1,2"), "--choices"),
+    ((*A, "--channels", "--layout", "int4"), "--channels"),  # keys per token: no channel bits
     ((*A, "--sensitivity", "{D}/model/config.json"), "--sensitivity"),  # JSON, not a table
     ((*A, "--sensitivity", "{D}/plain"), "--sensitivity"),
     ((*A, "--text", "nope"), "--text"),

@@ -47,7 +47,15 @@ MIXED = PRESETS["best-2"].replace(layer_overrides=(
     (1, KVTensorConfig("uint", 4, PerGroup(64, axis=-2)), KVTensorConfig("uint", 3)),))
 
 
-@pytest.mark.parametrize("kv", ["int4", "best-4", "best-2", "fp16", MIXED], ids=["int4", "best-4", "best-2", "fp16", "mixed"])
+# bits per key channel (lessmem.eval.channels' kind of config): each KV head its own channel order
+_CB = KVTensorConfig("uint", 4, PerGroup(64, axis=-2), channel_bits=(4,) * 2 + (2,) * 8 + (0,) * 6,
+                     channel_order=(*range(16), *reversed(range(16))))
+CHANNELS = PRESETS["best-2"].replace(rotate_keys=False, layer_overrides=(
+    (0, _CB, KVTensorConfig("uint", 2)), (1, _CB, KVTensorConfig("uint", 3))))
+
+
+@pytest.mark.parametrize("kv", ["int4", "best-4", "best-2", "fp16", MIXED, CHANNELS],
+                         ids=["int4", "best-4", "best-2", "fp16", "mixed", "channels"])
 def test_batched_outputs_equal_each_request_alone(model, kv):
     ps = prompts(5)
     batched, m = run(model, ps, kv=kv)
