@@ -48,7 +48,7 @@ MIXED = PRESETS["best-2"].replace(layer_overrides=(
 
 
 # bits per key channel (lessmem.eval.channels' kind of config): each KV head its own channel order
-_CB = KVTensorConfig("uint", 4, PerGroup(64, axis=-2), channel_bits=(4,) * 2 + (2,) * 8 + (0,) * 6,
+_CB = KVTensorConfig("uint", 4, PerGroup(64, axis=-2), channel_bits=(4,) * 8 + (0,) * 8,
                      channel_order=(*range(16), *reversed(range(16))))
 CHANNELS = PRESETS["best-2"].replace(rotate_keys=False, layer_overrides=(
     (0, _CB, KVTensorConfig("uint", 2)), (1, _CB, KVTensorConfig("uint", 3))))

@@ -23,7 +23,7 @@ squared error of the channel's keys quantized at each candidate bit width (the c
 own quantizer: per-channel groups of ``token_group`` tokens, the range holding zero, a
 0-bit channel kept as its group's mean), then chooses each layer's bits by a Lagrangian
 search over at most four bit widths (the stored row holds at most four runs of equal
-bits, each a whole number of bytes). Each KV head ranks its channels by their cost; the
+bits, each a multiple of 8 channels). Each KV head ranks its channels by their cost; the
 bits are chosen per rank (one pattern for the layer: the stored row has one layout) and
 each head stores its channels sorted by their bits (``channel_order``, one order per
 head; the queries are reordered alike, so scores are unchanged).
@@ -45,7 +45,6 @@ Example (a tiny random model: the shapes, not the numbers, mean something):
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 
@@ -102,9 +101,10 @@ def _capture_attention(stats: _Stats):
     return attend
 
 
-def _run_rows(b: torch.Tensor) -> list[int]:
-    """Channel counts must make whole bytes: the multiple a run of ``b`` bits needs."""
-    return 8 // math.gcd(int(b), 8) if b else 1
+def _run_rows(b: int) -> int:
+    """The multiple of channels a run of ``b`` bits must hold (KVLayout: 8, so that 8 codes
+    are unpacked at once; a 0-bit run stores nothing)."""
+    return 8 if b else 1
 
 
 def _lagrange(cost: torch.Tensor, levels: tuple[int, ...], budget: float) -> torch.Tensor:
@@ -125,8 +125,8 @@ def _lagrange(cost: torch.Tensor, levels: tuple[int, ...], budget: float) -> tor
     return lv[best].long()
 
 
-def _whole_bytes(bits: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
-    """Lower the least costly channels of each run until every run is whole bytes."""
+def _runs_of_eight(bits: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
+    """Lower the least costly channels of each run until every run is a multiple of 8."""
     bits = bits.clone()
     for b in sorted(set(bits.tolist()), reverse=True):
         if b == 0:
@@ -139,6 +139,28 @@ def _whole_bytes(bits: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
             loss = cost[members, BITS.index(lower)] - cost[members, BITS.index(b)]
             bits[members[loss.argsort()[:extra]]] = lower
     return bits
+
+
+def _fill_budget(bits: torch.Tensor, cost: torch.Tensor, levels: tuple[int, ...], budget: float) -> torch.Tensor:
+    """Raise 8 channels at a time from one level to a higher one (runs stay multiples of 8)
+    while the bits fit ``budget``, the largest cost cut per bit first (what rounding the
+    runs down gave back)."""
+    bits = bits.clone()
+    while True:
+        left, best = budget - float(bits.sum()), None
+        for lo, hi in itertools.combinations(sorted(levels), 2):
+            members = (bits == lo).nonzero().flatten()
+            extra = 8 * (hi - lo)
+            if len(members) < 8 or extra > left:
+                continue
+            gain = cost[members, BITS.index(lo)] - cost[members, BITS.index(hi)]
+            top = gain.argsort(descending=True)[:8]
+            rate = float(gain[top].sum()) / extra
+            if rate > 0 and (best is None or rate > best[0]):
+                best = (rate, members[top], hi)
+        if best is None:
+            return bits
+        bits[best[1]] = best[2]
 
 
 def allocate_layer(cost: torch.Tensor, mean_bits: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -159,7 +181,7 @@ def allocate_layer(cost: torch.Tensor, mean_bits: float) -> tuple[tuple[int, ...
     best = None
     for rest in itertools.combinations(BITS[1:], 3):
         levels = (0, *rest)
-        bits = _whole_bytes(_lagrange(cost, levels, budget), cost)
+        bits = _fill_budget(_runs_of_eight(_lagrange(cost, levels, budget), cost), cost, levels, budget)
         total = float(cost[torch.arange(D), torch.tensor([BITS.index(int(b)) for b in bits])].sum())
         if best is None or total < best[0]:
             best = (total, bits)

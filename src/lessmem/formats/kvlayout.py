@@ -16,9 +16,10 @@ three parts, tokens along dim 2:
   byte is a code. Packing ``"stream"`` (any bits): the row's codes as a little-endian bit
   stream (as :func:`~lessmem.formats.packing.pack_bits` writes it).
   Packing ``"mixed"`` (``channel_bits`` given: bits per channel, non-increasing): the row
-  is the runs of equal bits one after another, each packed as a layout of its own width
-  would pack it (split when its bits divide 8, else stream); a 0-bit run stores no bytes
-  and its codes are 0 (its channels dequantize to ``−scale · z``, the group's constant).
+  is the runs of equal bits one after another, each a multiple of 8 channels packed as a
+  bit stream (8 codes of b bits in b bytes: one load, per-lane shifts); a 0-bit run stores
+  no bytes and its codes are 0 (its channels dequantize to ``−scale · z``, the group's
+  constant).
 - ``scale``: fp16 ``[B, H, ceil(T / tg), D / dg]``, one per group of ``tg`` tokens × ``dg``
   channels (``token_group`` × ``channel_group``).
 - ``zero_point``: uint8, the shape of ``scale``; only when ``has_zero_point``.
@@ -138,9 +139,9 @@ class KVLayout:
         if len(runs) > MAX_RUNS:
             raise ValueError(f"channel_bits make {len(runs)} runs of equal bits; allowed: at most {MAX_RUNS}")
         for b, n in runs:
-            if (b * n) % 8:
-                raise ValueError(f"{n} channels at {b} bits are not a whole number of bytes; allowed: "
-                                 "runs of channels whose bits times count is a multiple of 8")
+            if b and n % 8:
+                raise ValueError(f"a run of {n} channels at {b} bits; allowed: runs of a multiple of 8 "
+                                 "channels (0-bit runs: any number)")
         object.__setattr__(self, "packing", "mixed")
 
     @property
@@ -173,7 +174,7 @@ class KVLayout:
         """(byte offset, channel offset, layout of the run or None for 0 bits) per run."""
         out, byte, ch = [], 0, 0
         for b, n in self.runs:
-            out.append((byte, ch, KVLayout(bits=b, head_dim=n, channel_group=1) if b else None))
+            out.append((byte, ch, KVLayout(bits=b, head_dim=n, channel_group=1, packing="stream") if b else None))
             byte += n * b // 8
             ch += n
         return out

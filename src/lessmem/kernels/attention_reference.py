@@ -26,14 +26,14 @@ import torch
 
 def unpack_codes(codes: torch.Tensor, layout) -> torch.Tensor:
     """Integer codes [B, H, T, D] from packed rows, as ``layout.packing`` describes them."""
-    if layout.packing == "mixed":  # runs of equal bits, each a row of its own; 0 bits: codes 0
+    if layout.packing == "mixed":  # runs of equal bits, each a bit stream; 0 bits: codes 0
         out, byte = [], 0
         for bits, n in layout.runs:
             if bits == 0:
                 out.append(torch.zeros(*codes.shape[:-1], n, dtype=torch.long, device=codes.device))
                 continue
             nb = n * bits // 8
-            out.append(_unpack(codes[..., byte:byte + nb].long(), bits, n, "split" if 8 % bits == 0 else "stream"))
+            out.append(_unpack(codes[..., byte:byte + nb].long(), bits, n, "stream"))
             byte += nb
         return torch.cat(out, dim=-1)
     return _unpack(codes.long(), layout.bits, layout.head_dim, layout.packing)

@@ -191,7 +191,7 @@ struct QSide {
   float lut16[16] = {0.f};  // the level table padded to 16 entries (bits <= 4: looked up in registers)
   int packing, bits, tg, dg, rb;  // rb: bytes per row
   // a mixed row (PACK_MIXED): runs of nrun[i] channels at rbits[i] bits, one after another,
-  // each packed as a row of its own (split when its bits divide 8, else stream)
+  // each a bit stream of a multiple of 8 channels
   int nruns = 0, rbits[MAX_RUNS] = {}, nrun[MAX_RUNS] = {};
   float zc;              // constant zero (symmetric int) when zp is absent
   int64_t srow;          // scale entries per scale row = D / dg
@@ -249,17 +249,34 @@ inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* ou
   }
 }
 
-// A mixed row: each run unpacked as its own row; a 0-bit run's codes are 0.
+// A mixed row: runs of equal bits, each a multiple of 8 channels packed as a little-endian
+// bit stream (8 codes of b bits in b bytes); a 0-bit run stores nothing and its codes are 0.
 inline void unpack_mixed(const uint8_t* p, const QSide& q, float* out) {
   for (int i = 0; i < q.nruns; ++i) {
     const int b = q.rbits[i], n = q.nrun[i];
     if (b == 0) {
       std::fill(out, out + n, 0.f);
-    } else {
-      unpack_row(p, 8 % b == 0 ? PACK_SPLIT : PACK_STREAM, b, n, out);
-      p += n * b / 8;
+      out += n;
+      continue;
     }
-    out += n;
+    const uint64_t m = (1u << b) - 1;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (b <= 4) {  // the 8 codes in one 32-bit word: broadcast, shift each lane, mask
+      const __m256i sh = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(b));
+      const __m256i mv = _mm256_set1_epi32((int)m);
+      for (int g = 0; g < n; g += 8, p += b, out += 8) {
+        uint32_t w = 0;
+        for (int j = 0; j < b; ++j) w |= (uint32_t)p[j] << (8 * j);
+        _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh), mv)));
+      }
+      continue;
+    }
+#endif
+    for (int g = 0; g < n; g += 8, p += b, out += 8) {  // the 8 codes in one 64-bit word
+      uint64_t w = 0;
+      for (int j = 0; j < b; ++j) w |= (uint64_t)p[j] << (8 * j);
+      for (int l = 0; l < 8; ++l) out[l] = (float)((w >> (b * l)) & m);
+    }
   }
 }
 
@@ -364,7 +381,7 @@ void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bit
     for (int i = 0; i < MAX_RUNS; ++i) {
       const int64_t r = (bits >> (14 * i)) & 16383, b = r & 15, n = r >> 4;
       if (n == 0) break;
-      LM_CHECK(b <= 8 && (b * n) % 8 == 0, "qattn: mixed run of ", n, " channels at ", b, " bits");
+      LM_CHECK(b <= 8 && (b == 0 || n % 8 == 0), "qattn: mixed run of ", n, " channels at ", b, " bits");
       s.rbits[s.nruns] = (int)b; s.nrun[s.nruns] = (int)n; ++s.nruns;
       total += n; bytes += b * n / 8; s.bits = std::max(s.bits, (int)b);
     }
