@@ -15,7 +15,7 @@ the mean attention-distribution KL is 0.30 at uniform 2 bits, 0.12 with one allo
 and order per layer, 0.09 with one allocation per layer and an order per KV head (what is
 stored), 0.06 at uniform 3 bits. Through the evaluation protocol
 (``benchmarks/results/bench_kv_quality_channels.json``) the ≤ 2.5-bit cache goes from +9.2%
-to +2.5% perplexity.
+to +2.3% perplexity.
 
 :func:`calibrate_channels` runs the model on calibration text, records for every layer
 and channel ``E[q_c²]`` (summed over the query heads sharing a KV head) and the mean

@@ -193,6 +193,7 @@ struct QSide {
   // a mixed row (PACK_MIXED): runs of nrun[i] channels at rbits[i] bits, one after another,
   // each a bit stream of a multiple of 8 channels
   int nruns = 0, rbits[MAX_RUNS] = {}, nrun[MAX_RUNS] = {};
+  int dkeep = 0;  // channels before a trailing 0-bit run (all D otherwise): folded scores skip the rest
   float zc;              // constant zero (symmetric int) when zp is absent
   int64_t srow;          // scale entries per scale row = D / dg
   int64_t seg;           // tokens per segment (all but the last)
@@ -251,8 +252,9 @@ inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* ou
 
 // A mixed row: runs of equal bits, each a multiple of 8 channels packed as a little-endian
 // bit stream (8 codes of b bits in b bytes); a 0-bit run stores nothing and its codes are 0.
-inline void unpack_mixed(const uint8_t* p, const QSide& q, float* out) {
-  for (int i = 0; i < q.nruns; ++i) {
+// ``limit``: stop after that many channels (q.dkeep: a trailing 0-bit run is not written).
+inline void unpack_mixed(const uint8_t* p, const QSide& q, float* out, int limit) {
+  for (int i = 0, done = 0; i < q.nruns && done < limit; done += q.nrun[i], ++i) {
     const int b = q.rbits[i], n = q.nrun[i];
     if (b == 0) {
       std::fill(out, out + n, 0.f);
@@ -281,7 +283,7 @@ inline void unpack_mixed(const uint8_t* p, const QSide& q, float* out) {
 }
 
 inline void unpack_side(const uint8_t* p, const QSide& q, int D, float* out) {
-  if (q.packing == PACK_MIXED) unpack_mixed(p, q, out);
+  if (q.packing == PACK_MIXED) unpack_mixed(p, q, out, D);
   else unpack_row(p, q.packing, q.bits, D, out);
 }
 
@@ -305,11 +307,13 @@ struct RowDecoder {
     sb = q.scale[i] + bh * q.R[i] * q.srow;
     zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
   }
-  // token t's codes as floats, no scale: the folded paths' input (sides without a level table)
+  // token t's codes as floats, no scale: the folded paths' input (sides without a level
+  // table); a mixed row's first q.dkeep channels (its 0-bit channels only shift the score)
   template <int DC>
   inline void raw(int64_t t, float* __restrict__ out) {
     if (t < s0 || t >= s1) locate(t);
-    unpack_side(cb + (t - s0) * q.rb, q, DC > 0 ? DC : this->D, out);
+    if (q.packing == PACK_MIXED) unpack_mixed(cb + (t - s0) * q.rb, q, out, q.dkeep);
+    else unpack_row(cb + (t - s0) * q.rb, q.packing, q.bits, DC > 0 ? DC : this->D, out);
   }
   // codes (as floats) -> their levels, in place
   inline void lookup(float* __restrict__ cp, int D) const {
@@ -374,7 +378,8 @@ void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bit
   for (int64_t i = 0; i < std::min<int64_t>(lut.numel(), 16); ++i) s.lut16[i] = s.lut[i];
   LM_CHECK(packing == PACK_SPLIT || packing == PACK_STREAM || packing == PACK_MIXED, "qattn: unknown packing id ",
            packing);
-  s.packing = (int)packing; s.bits = (int)bits;
+  s.packing = (int)packing; s.bits = (int)bits; s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
+  s.rb = (int)rb; s.srow = D / dg; s.seg = seg; s.dkeep = D;
   if (packing == PACK_MIXED) {  // bits: 14 bits a run from the lowest, run bits + 16 * channels (KVLayout.kernel_bits)
     int64_t total = 0, bytes = 0;
     s.bits = 0;
@@ -387,8 +392,8 @@ void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bit
     }
     LM_CHECK(total == D && bytes == rb, "qattn: mixed runs of ", total, " channels, ", bytes,
              " bytes; the row has ", D, " channels, ", rb, " bytes");
-  } s.tg = (int)tg; s.dg = (int)dg; s.zc = (float)zc;
-  s.rb = (int)rb; s.srow = D / dg; s.seg = seg;
+    if (s.rbits[s.nruns - 1] == 0) s.dkeep = D - s.nrun[s.nruns - 1];
+  }
 }
 
 // codes[i] [B, H, T_i, rb] uint8, scale[i] fp16 and zp[i] uint8 (empty list: none)
@@ -511,6 +516,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     const int64_t t1 = fp ? F.L : std::min(T, t0 + per);
     if (t0 >= t1) continue;
     const bool kf = kfold && !fp, vf = vfold && !fp;
+    const int64_t Dk = kf ? K.dkeep : D;  // key row length in the tile (folded mixed keys: no 0-bit tail)
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
     std::vector<float> sc(rows * TILE), w(TILE), va(TILE), vz(TILE);
     const float* qbase = fp ? F.q : J.q;
@@ -536,7 +542,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
           const float* src = F.row(0, bh, ts + i, D, kb + i * D);
           if (src != kb + i * D) std::copy(src, src + D, kb + i * D);
         } else if (kf) {
-          kd.template raw<DC>(ts + i, kb + i * D);
+          kd.template raw<DC>(ts + i, kb + i * Dk);
         } else {
           kd.template decode<DC>(ts + i, kb + i * D);
         }
@@ -565,14 +571,14 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         float* __restrict__ srow = sc.data() + r * TILE;
         int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        if (D % 8 == 0)
-          for (; i + 8 <= n; i += 8) dot8(qr, kb + i * D, D, srow + i);
+        if (Dk % 8 == 0)
+          for (; i + 8 <= n; i += 8) dot8(qr, kb + i * Dk, Dk, srow + i);
 #endif
         for (; i < n; ++i) {
-          const float* __restrict__ kp = kb + i * D;
+          const float* __restrict__ kp = kb + i * Dk;
           float s = 0.f;
 #pragma omp simd reduction(+:s)
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * kp[d];
+          for (int64_t d = 0; d < Dk; ++d) s += qr[d] * kp[d];
           srow[i] = s;
         }
         if (kf) for (int64_t i2 = 0; i2 < n; ++i2) srow[i2] -= kz[r];
