@@ -215,3 +215,21 @@ def test_tiered_cache_with_channel_bits_is_bit_exact_with_the_in_memory_cache(tm
     assert toks == ref_toks and all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
     place = cache.memory()["tiers"]
     assert place["host"] > 0 and place["disk"] > 0
+
+
+def test_cuda_backend_sends_mixed_rows_to_the_torch_path():
+    """The Triton kernel does not read mixed rows: the op's CUDA backend answers them with torch
+    ops on the tensors' device (called here on CPU tensors: the same code)."""
+    from lessmem.kernels import attention, ops
+
+    g = torch.Generator().manual_seed(5)
+    spec, vspec = _spec(), KVTensorConfig("uint", 4)
+    k = encode(torch.randn(1, 3, 64, 64, generator=g), spec)
+    v = encode(torch.randn(1, 3, 64, 64, generator=g), vspec)
+    kv = QuantKV(QuantSide(k.codes, k.scale, k.zero_point, kv_layout(spec, 64)),
+                 QuantSide(v.codes, v.scale, v.zero_point, kv_layout(vspec, 64)))
+    q = torch.randn(1, 9, 1, 64, generator=g) * 0.2
+    args = ops.op_args(q, kv, None)
+    o, lse = attention._cuda_backend(*args)
+    ref_o, ref_lse = attention_reference(q, kv)
+    assert (o - ref_o).abs().max() < 1e-5 and (lse - ref_lse).abs().max() < 1e-5

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
@@ -276,6 +277,21 @@ def _fallback_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_code
 
 ops.LIB.impl("quantized_attention", _cpu_backend, "CPU")
 ops.LIB.impl("quantized_attention", _fallback_backend, "CompositeExplicitAutograd")
+
+
+def _cuda_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, v_zero_point, v_lut,
+                  v_layout, mask, seg):
+    """CUDA: the Triton kernel; a ``mixed`` layout (bits per key channel), which it does not
+    read, goes to the torch fallback on the device."""
+    if "mixed" in (ops.layout_of(k_layout).packing, ops.layout_of(v_layout).packing):
+        kv = _history_of(k_codes, k_scale, k_zero_point, k_layout, v_codes, v_scale, v_zero_point, v_layout, seg)
+        return torch_attention(q, kv, _check_op(q, kv, mask))
+    return ops._triton_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, v_zero_point,
+                               v_lut, v_layout, mask, seg)
+
+
+if importlib.util.find_spec("triton") is not None:  # CUDA without triton: the fallback, with a warning
+    ops.LIB.impl("quantized_attention", _cuda_backend, "CUDA")
 
 
 def fused_attention(q_h: torch.Tensor, kv: QuantKV, mask_h: torch.Tensor | None, q_f: torch.Tensor,

@@ -6,8 +6,10 @@ backend from the tensors' device:
 
 - CPU: registered by :mod:`lessmem.kernels.attention` (the C++ kernel, or the torch
   fallback without a compiler);
-- CUDA: the Triton kernel (:mod:`lessmem.kernels.attention_triton`), registered when
-  triton is installed (and imported at the first CUDA call, not before);
+- CUDA: the Triton kernel (:mod:`lessmem.kernels.attention_triton`, ``_triton_backend``),
+  registered by :mod:`lessmem.kernels.attention` when triton is installed (and imported at
+  the first CUDA call, not before); a ``mixed`` layout (bits per key channel), which the
+  Triton kernel does not read, goes to the torch fallback there;
 - any other device, and CUDA without triton: the torch fallback, after one warning that
   names the slow path (registered by :mod:`lessmem.kernels.attention` too, beside the
   history classes it rebuilds).
@@ -34,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 
 import torch
@@ -131,12 +132,6 @@ def _fake(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, 
 
 def _triton_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes, v_scale, v_zero_point,
                     v_lut, v_layout, mask, seg):
-    if "mixed" in (layout_of(k_layout).packing, layout_of(v_layout).packing):
-        # bits per channel: not a layout the Triton kernel reads; torch ops on the device
-        from .attention import _check_op, _history_of, torch_attention
-
-        kv = _history_of(k_codes, k_scale, k_zero_point, k_layout, v_codes, v_scale, v_zero_point, v_layout, seg)
-        return torch_attention(q, kv, _check_op(q, kv, mask))
     from . import attention_triton  # imported on first CUDA call: triton costs ~0.25 s to import
 
     return attention_triton.attention_parts(
@@ -144,5 +139,4 @@ def _triton_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes,
         parts(v_codes, v_scale, v_zero_point), k_lut, v_lut, mask, seg)
 
 
-if importlib.util.find_spec("triton") is not None:  # CUDA without triton: the fallback, with a warning
-    LIB.impl("quantized_attention", _triton_backend, "CUDA")
+
