@@ -106,6 +106,12 @@ class KVTensorConfig:
     (asymmetric, uint8 zero point), ``"fp8-e4m3"``/``"fp8-e5m2"`` (bits 8, scaled),
     ``"lm"`` (Lloyd-Max codebook for a Gaussian, scaled by the group's RMS).
 
+    ``channel_bits`` (keys, ``"uint"`` per channel only): each stored channel's own bits,
+    0 to 8, non-increasing (``bits`` is their largest; 0-bit channels keep their group's
+    mean); ``channel_order``: the model channel stored at each position, one permutation
+    for all KV heads or one per head after another (() = the model's order). Calibrated
+    per model by :mod:`lessmem.eval.channels` (``lessmem kv-allocate --channels``).
+
     Example:
         >>> from lessmem.formats import PerToken
         >>> KVTensorConfig("uint", 4, PerToken()).effective_bits(64)
@@ -146,7 +152,7 @@ class KVTensorConfig:
         object.__setattr__(self, "clip_ratio", float(c))
 
     def _check_channels(self) -> None:
-        """``channel_bits`` / ``channel_order`` (see :meth:`with_channels`) as tuples, checked."""
+        """``channel_bits`` / ``channel_order`` (see the class doc) as tuples, checked."""
         cb = _sequence("channel_bits", self.channel_bits)
         order = _sequence("channel_order", self.channel_order)
         object.__setattr__(self, "channel_bits", tuple(_check_int("channel_bits entry", b, 0) for b in cb))
