@@ -233,3 +233,19 @@ def test_cuda_backend_sends_mixed_rows_to_the_torch_path():
     o, lse = attention._cuda_backend(*args)
     ref_o, ref_lse = attention_reference(q, kv)
     assert (o - ref_o).abs().max() < 1e-5 and (lse - ref_lse).abs().max() < 1e-5
+
+
+def test_a_channel_config_for_another_model_is_refused_when_the_cache_is_built():
+    from transformers import LlamaConfig
+
+    from lessmem.kvcache.presets import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "benchmarks/results/kv_configs/chan-2.5.json")
+    other = LlamaConfig(num_hidden_layers=30, hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, vocab_size=100)  # head_dim 128
+    with pytest.raises(ValueError, match="layer 0: keys with 64 channel bits.*another model"):
+        KVCache(other, cfg)
+    fewer_heads = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=1,
+                              intermediate_size=64, vocab_size=100)  # 1 KV head: 3 orders do not fit
+    with pytest.raises(ValueError, match="1 x 64 entries"):
+        KVCache(fewer_heads, cfg)

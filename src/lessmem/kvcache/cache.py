@@ -123,6 +123,22 @@ def check_model_config(model_config):
     return text
 
 
+def _check_channels(cfg: KVConfig, text, head_dim: int) -> None:
+    """A config with bits per key channel fits this model: one bit width per channel of its
+    head_dim, an order for all KV heads or one per head (ValueError before anything is
+    stored; such configs are calibrated for one model, see ``lessmem.eval.channels``)."""
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    for layer in range(text.num_hidden_layers):
+        k = cfg.for_layer(layer)[0]
+        if not k.channel_bits:
+            continue
+        n, order = len(k.channel_bits), len(k.channel_order)
+        if n != head_dim or order not in (0, head_dim, kv_heads * head_dim):
+            raise ValueError(f"layer {layer}: keys with {n} channel bits and {order} channel_order entries; "
+                             f"allowed for this model: {head_dim} bits (head_dim) and an order of {head_dim} "
+                             f"or {kv_heads} x {head_dim} entries (a config calibrated for another model?)")
+
+
 def _layer_types(model_config) -> list[str]:
     n = model_config.num_hidden_layers
     types = getattr(model_config, "layer_types", None)
@@ -191,6 +207,7 @@ class KVCache(Cache):
         self.attention = attention
         head_dim = model_head_dim(text)
         cfg = self.kv_config
+        _check_channels(cfg, text, head_dim)
         self.rotations = (
             HadamardRotation(head_dim, seed=cfg.rotation_seed) if cfg.rotate_keys else None,
             HadamardRotation(head_dim, seed=cfg.rotation_seed + 1) if cfg.rotate_values else None,
