@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lessmem.formats import PerChannel, PerGroup, PerTensor, PerToken, SuperBlock, quantize, snr_db
@@ -11,7 +11,7 @@ from lessmem.formats._reference import pack_bits_reference
 from lessmem.formats.integer import _effective_qparams, grouped_codes
 from lessmem.formats.packing import pack_bits, packed_nbytes, unpack_bits
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)  # CI: the same examples every run
 INT_BITS = [2, 3, 4, 5, 6, 8]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -79,11 +79,18 @@ def test_quantize_dequantize_idempotent(case):
     rounded *up* to the storage dtype (which is what keeps |x - x̂| <= s/2), so with a
     coarse fp16 scale the reconstruction may not reach the top code, and min/max of the
     reconstruction then give a smaller scale. An fp32 round-up is too small to matter.
+    Nor when a group's lower end lies exactly half a step from a code (−lo/s = k + ½, common
+    with bf16 inputs: lo = −1.25, s = 0.5): the zero point rounds half to even, both ends move
+    inward and the reconstruction's range is a step shorter (seen: uint3, [−1.25, 2.25]).
     """
     x, fmt, gran, scale_dtype = case
     if fmt.startswith("uint"):
         scale_dtype = torch.float32
     qt = quantize(x, fmt, granularity=gran, scale_dtype=scale_dtype)
+    if fmt.startswith("uint"):
+        xg = gran.group(x.float())[0]
+        t = -xg.amin(dim=1).clamp(max=0) / _effective_qparams(qt)[0].flatten().float()
+        assume(not bool(((t - t.floor()) == 0.5).any()))
     x_hat = qt.dequantize(torch.float32)
     qt2 = quantize(x_hat, fmt, granularity=gran, scale_dtype=scale_dtype)
     assert torch.equal(grouped_codes(qt2), grouped_codes(qt))
