@@ -60,9 +60,23 @@ def _store(s: torch.Tensor, scale_dtype: torch.dtype, round_up: bool = False) ->
     return out
 
 
-def choose_qparams(xg: torch.Tensor, bits: int, symmetric: bool, clip_ratio: float = 1.0,
+def _asym_qmax(bits):
+    """2^b − 1: an int, or per row a float tensor [G] when ``bits`` is a tensor (a grouped
+    view whose rows have their own bits: KV keys with bits per channel)."""
+    return 2.0 ** bits.float() - 1 if isinstance(bits, torch.Tensor) else 2**bits - 1
+
+
+def _clamp_codes(v: torch.Tensor, qmax) -> torch.Tensor:
+    """``v`` ([G] or [G, E]) clamped to [0, qmax] (qmax an int, or one per row)."""
+    if isinstance(qmax, torch.Tensor):
+        return torch.minimum(v.clamp(min=0), qmax.view(-1, *([1] * (v.dim() - 1))))
+    return v.clamp(0, qmax)
+
+
+def choose_qparams(xg: torch.Tensor, bits, symmetric: bool, clip_ratio: float = 1.0,
                    scale_dtype: torch.dtype = torch.float16):
-    """Per-row scale (stored dtype) and integer zero point for a grouped view [G, E]."""
+    """Per-row scale (stored dtype) and integer zero point for a grouped view [G, E].
+    ``bits``: an int, or (asymmetric only) a tensor [G] of each row's own bits (>= 1)."""
     xf = xg.float()
     if symmetric:
         _, qmax = qrange(bits, True)
@@ -70,23 +84,23 @@ def choose_qparams(xg: torch.Tensor, bits: int, symmetric: bool, clip_ratio: flo
         return _store(amax / qmax, scale_dtype), None
     lo = xf.amin(dim=1).clamp(max=0) * clip_ratio
     hi = xf.amax(dim=1).clamp(min=0) * clip_ratio
-    qmax = 2**bits - 1
+    qmax = _asym_qmax(bits)
     # rounded up: (hi - lo) / s <= qmax, so round(x/s) + z never clips past s/2
     scale = _store((hi - lo) / qmax, scale_dtype, round_up=True)
-    zp = torch.round(-lo / scale.float()).clamp(0, qmax).to(torch.uint8)
+    zp = _clamp_codes(torch.round(-lo / scale.float()), qmax).to(torch.uint8)
     return scale, zp
 
 
 def quantize_grouped(xg: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
-                     bits: int) -> torch.Tensor:
-    """Unsigned codes [G, E] (uint8) for a grouped view, given stored scale/zero point."""
+                     bits) -> torch.Tensor:
+    """Unsigned codes [G, E] (uint8) for a grouped view, given stored scale/zero point
+    (``bits``: as :func:`choose_qparams` takes them)."""
     s = scale.float().unsqueeze(1)
     if zp is None:
         lo, hi = qrange(bits, True)
         q = torch.round(xg.float() / s).clamp(lo, hi)
         return (q + 2 ** (bits - 1)).to(torch.uint8)
-    qmax = 2**bits - 1
-    u = (torch.round(xg.float() / s) + zp.float().unsqueeze(1)).clamp(0, qmax)
+    u = _clamp_codes(torch.round(xg.float() / s) + zp.float().unsqueeze(1), _asym_qmax(bits))
     return u.to(torch.uint8)
 
 

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from ..formats.codebook import assign, gaussian_codebook
-from ..formats.integer import _store, choose_qparams, quantize_grouped
+from ..formats.integer import choose_qparams, quantize_grouped
 from ..formats.kvlayout import KVLayout
 from .config import KVTensorConfig
 
@@ -69,22 +69,17 @@ def _affine(xg, spec: KVTensorConfig, lay: KVLayout):
 
 def _affine_channels(xg, spec: KVTensorConfig, lay: KVLayout):
     """Per-channel groups at each channel's own bits (``spec.channel_bits``; row r of the
-    grouped view is channel r mod D). A 0-bit channel stores its group's mean as
-    ``−scale · z`` with z = 1 and no code (its code is 0)."""
+    grouped view is channel r mod D), the affine quantizer with per-row bits. A 0-bit channel
+    stores its group's mean as ``−scale · z`` with z = 1 and no code (its code is 0)."""
     bits = torch.tensor(spec.channel_bits, device=xg.device).repeat(xg.shape[0] // len(spec.channel_bits))
-    xf = xg.float()
-    qmax = (2.0 ** bits.float() - 1).clamp(min=1)
-    lo = xf.amin(dim=1).clamp(max=0) * spec.clip_ratio
-    hi = xf.amax(dim=1).clamp(min=0) * spec.clip_ratio
-    scale = _store((hi - lo) / qmax, lay.SCALE_DTYPE, round_up=True)  # as choose_qparams
-    zp = torch.round(-lo / scale.float()).clamp(torch.zeros_like(qmax), qmax)
-    u = (torch.round(xf / scale.float().unsqueeze(1)) + zp.unsqueeze(1)).clamp(
-        torch.zeros_like(qmax).unsqueeze(1), qmax.unsqueeze(1))
+    nonzero = bits.clamp(min=1)
+    scale, zp = choose_qparams(xg, nonzero, False, spec.clip_ratio, lay.SCALE_DTYPE)
+    u = quantize_grouped(xg, scale, zp, nonzero)
     zero = bits == 0
-    scale = torch.where(zero, (-xf.mean(dim=1)).to(lay.SCALE_DTYPE), scale)
+    scale = torch.where(zero, (-xg.float().mean(dim=1)).to(lay.SCALE_DTYPE), scale)
     zp = torch.where(zero, torch.ones_like(zp), zp)
     u = torch.where(zero.unsqueeze(1), torch.zeros_like(u), u)
-    return u.to(torch.uint8), scale, zp.to(torch.uint8)
+    return u, scale, zp
 
 
 def _fp8(xg, spec: KVTensorConfig, lay: KVLayout):
