@@ -9,20 +9,16 @@ that minimise that weighted sum under a budget is classical bit allocation for t
 coding (reverse water-filling; Gersho & Gray, *Vector Quantization and Signal
 Compression*, 1992, ch. 8); KVQuant (Hooper et al., NeurIPS 2024, arXiv:2401.18079)
 showed that keys must be quantized per channel, and this spends the bits per channel too.
-Measured on the built-in model's post-RoPE keys (a probe, not committed: 2 × 1024 tokens
-of WikiText-2 test, a 2-bit budget, per-channel groups of 128 tokens, 7 of the 30 layers):
-the mean attention-distribution KL is 0.30 at uniform 2 bits, 0.12 with one allocation
-and order per layer, 0.09 with one allocation per layer and an order per KV head (what is
-stored), 0.06 at uniform 3 bits. Through the evaluation protocol
-(``benchmarks/results/bench_kv_quality_channels.json``) the ≤ 2.5-bit cache goes from +9.2%
-to +2.3% perplexity.
+On the built-in model, through the evaluation protocol, the ≤ 2.5-bit cache goes from
++9.2% perplexity (uniform rotated keys, ``bench_kv_quality_mixed.json``) to +2.3%
+(``benchmarks/results/bench_kv_quality_channels.json``).
 
 :func:`calibrate_channels` runs the model on calibration text, records for every layer
 and channel ``E[q_c²]`` (summed over the query heads sharing a KV head) and the mean
 squared error of the channel's keys quantized at each candidate bit width (the cache's
 own quantizer: per-channel groups of ``token_group`` tokens, the range holding zero, a
 0-bit channel kept as its group's mean), then chooses each layer's bits by a Lagrangian
-search over at most four bit widths (the stored row holds at most four runs of equal
+search over at most four bit widths (``MAX_RUNS``) (the stored row holds at most four runs of equal
 bits, each a multiple of 8 channels). Each KV head ranks its channels by their cost; the
 bits are chosen per rank (one pattern for the layer: the stored row has one layout) and
 each head stores its channels sorted by their bits (``channel_order``, one order per
@@ -49,6 +45,8 @@ import itertools
 import torch
 
 from ..formats.granularity import PerGroup
+from ..formats.integer import choose_qparams, dequantize_grouped, quantize_grouped
+from ..formats.kvlayout import MAX_RUNS
 from ..kvcache.config import KVConfig, KVTensorConfig
 
 CAPTURE = "lessmem-capture"
@@ -57,27 +55,25 @@ BITS = (0, 1, 2, 3, 4, 5, 6, 8)
 
 
 def _group_mse(k: torch.Tensor, bits: int, tg: int) -> torch.Tensor:
-    """Per-channel mean squared error of keys ``k [H, T, D]`` quantized as the cache does
-    (per-channel groups of ``tg`` tokens, range holding zero; 0 bits: the group mean)."""
+    """Per-channel mean squared error [H, D] of keys ``k [H, T, D]`` through the cache's own
+    affine quantizer (per-channel groups of ``tg`` tokens, range holding zero; float32
+    scales); 0 bits: the group mean."""
     H, T, D = k.shape
     n = T // tg * tg
     g = k[:, :n].reshape(H, n // tg, tg, D).float()
     if bits == 0:
         return (g - g.mean(2, keepdim=True)).pow(2).mean((1, 2))
-    lo = g.amin(2, keepdim=True).clamp(max=0)
-    hi = g.amax(2, keepdim=True).clamp(min=0)
-    qmax = 2**bits - 1
-    s = ((hi - lo) / qmax).clamp(min=1e-8)
-    z = torch.round(-lo / s)
-    y = (torch.round(g / s) + z).clamp(0, qmax)
-    return ((y - z) * s - g).pow(2).mean((1, 2))
+    xg = g.transpose(2, 3).reshape(-1, tg)  # a row: one channel's tg tokens
+    scale, zp = choose_qparams(xg, bits, False, scale_dtype=torch.float32)
+    y = dequantize_grouped(quantize_grouped(xg, scale, zp, bits), scale, zp, bits)
+    return (y - xg).pow(2).view(H, n // tg, D, tg).transpose(2, 3).mean((1, 2))
 
 
 class _Stats:
     """Per layer: E[q_c²] per KV head [Hkv, D] and the key MSE [Hkv, D, len(BITS)]."""
 
     def __init__(self, tg: int):
-        self.tg, self.q2, self.err, self.n = tg, {}, {}, {}
+        self.tg, self.q2, self.err = tg, {}, {}
 
     def add(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         B, Hq, T, D = q.shape
@@ -89,7 +85,6 @@ class _Stats:
                            for b in range(B)]).sum(0)  # [Hkv, D, nbits]
         for store, v in ((self.q2, q2), (self.err, err)):
             store[layer] = store.get(layer, 0) + v
-        self.n[layer] = self.n.get(layer, 0) + B
 
 
 def _capture_attention(stats: _Stats):
@@ -99,12 +94,6 @@ def _capture_attention(stats: _Stats):
         stats.add(int(module.layer_idx), query.detach(), key.detach())
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return attend
-
-
-def _run_rows(b: int) -> int:
-    """The multiple of channels a run of ``b`` bits must hold (KVLayout: 8, so that 8 codes
-    are unpacked at once; a 0-bit run stores nothing)."""
-    return 8 if b else 1
 
 
 def _lagrange(cost: torch.Tensor, levels: tuple[int, ...], budget: float) -> torch.Tensor:
@@ -126,13 +115,14 @@ def _lagrange(cost: torch.Tensor, levels: tuple[int, ...], budget: float) -> tor
 
 
 def _runs_of_eight(bits: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
-    """Lower the least costly channels of each run until every run is a multiple of 8."""
+    """Lower the least costly channels of each run until every run is a multiple of 8 (what
+    KVLayout's mixed rows hold, so that 8 codes unpack at once; a 0-bit run stores nothing)."""
     bits = bits.clone()
     for b in sorted(set(bits.tolist()), reverse=True):
         if b == 0:
             continue
         members = (bits == b).nonzero().flatten()
-        extra = len(members) % _run_rows(b)
+        extra = len(members) % 8
         if extra:
             # drop the channels that lose least by going one level down (to the next lower level present)
             lower = max([x for x in set(bits.tolist()) if x < b], default=0)
@@ -179,7 +169,7 @@ def allocate_layer(cost: torch.Tensor, mean_bits: float) -> tuple[tuple[int, ...
     D = cost.shape[0]
     budget = mean_bits * D
     best = None
-    for rest in itertools.combinations(BITS[1:], 3):
+    for rest in itertools.combinations(BITS[1:], MAX_RUNS - 1):
         levels = (0, *rest)
         bits = _fill_budget(_runs_of_eight(_lagrange(cost, levels, budget), cost), cost, levels, budget)
         total = float(cost[torch.arange(D), torch.tensor([BITS.index(int(b)) for b in bits])].sum())

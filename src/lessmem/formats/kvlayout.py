@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -144,7 +145,7 @@ class KVLayout:
                                  "channels (0-bit runs: any number)")
         object.__setattr__(self, "packing", "mixed")
 
-    @property
+    @functools.cached_property
     def runs(self) -> tuple[tuple[int, int], ...]:
         """``(bits, channels)`` of each run of equal bits in the row (one run when uniform)."""
         if self.channel_bits is None:
@@ -170,8 +171,10 @@ class KVLayout:
             return self.bits
         return sum((b + 16 * n) << (14 * i) for i, (b, n) in enumerate(self.runs))
 
+    @functools.cached_property
     def _run_layouts(self):
-        """(byte offset, channel offset, layout of the run or None for 0 bits) per run."""
+        """(byte offset, channel offset, layout of the run or None for 0 bits) per run (made
+        once per layout: a block's pack and every dequantized read use them)."""
         out, byte, ch = [], 0, 0
         for b, n in self.runs:
             out.append((byte, ch, KVLayout(bits=b, head_dim=n, channel_group=1, packing="stream") if b else None))
@@ -211,7 +214,7 @@ class KVLayout:
             raise ValueError(f"codes have {u.shape[-1]} channels; allowed: head_dim={self.head_dim}")
         u = u.to(self.CODES_DTYPE)
         if self.packing == "mixed":
-            rows = [lay.pack(u[..., c:c + lay.head_dim]) for _, c, lay in self._run_layouts() if lay]
+            rows = [lay.pack(u[..., c:c + lay.head_dim]) for _, c, lay in self._run_layouts if lay]
             return torch.cat(rows, -1) if rows else u[..., :0].contiguous()
         if self.bits == 8:
             return u.contiguous()
@@ -230,7 +233,7 @@ class KVLayout:
         if self.packing == "mixed":
             parts = [lay.unpack(codes[..., o:o + lay.row_bytes]) if lay else
                      torch.zeros(*codes.shape[:-1], n, dtype=torch.long, device=codes.device)
-                     for (o, _, lay), (_, n) in zip(self._run_layouts(), self.runs, strict=True)]
+                     for (o, _, lay), (_, n) in zip(self._run_layouts, self.runs, strict=True)]
             return torch.cat(parts, -1)
         if self.bits == 8:
             return codes.long()

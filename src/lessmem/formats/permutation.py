@@ -30,8 +30,6 @@ class ChannelPermutation:
     (H a multiple of the KV heads: query head h uses KV head h // (H / KV heads)).
     """
 
-    kind = "channel permutation"
-
     def __init__(self, orders: tuple[tuple[int, ...], ...]):
         n = len(orders[0]) if orders else 0
         for o in orders:
@@ -40,8 +38,6 @@ class ChannelPermutation:
         self.orders = tuple(tuple(o) for o in orders)
         self.n, self.heads = n, len(orders)
         self.per_head = self.heads > 1
-        self.seed = None  # (read by code that tells rotations apart; a permutation has none)
-        self.block = self.n
         self._idx: dict = {}
 
     def _index(self, device, inverse: bool, heads: int) -> torch.Tensor:
