@@ -9,7 +9,8 @@ KVConfig that ``--kv`` takes wherever it takes a preset name.
 
 ``--channels`` then spends each layer's key bits per channel
 (``lessmem.eval.channels``: the bits go where queries meet large key errors; the keys are
-stored unrotated, their channels sorted by bits), calibrated on ``--text`` in seconds.
+stored unrotated, their channels sorted by bits), calibrated on ``--text`` in one forward pass
+per window.
 
 Example:
     $ lessmem kv-allocate --bits 3.5 --text wiki.train.raw --sensitivity sens.json --out kv-3.5.json
