@@ -14,7 +14,7 @@ from lessmem.kernels.attention_reference import attention_reference, dequantize_
 # (bits, tg, dg, kind): kind "zp" = uint8 zero points, "sym" = constant zero, "lut" = level table
 CASES = [(4, 1, 64, "zp"), (4, 32, 1, "zp"), (2, 32, 1, "zp"), (2, 1, 32, "sym"), (3, 64, 1, "zp"),
          (3, 1, 16, "sym"), (8, 1, 64, "sym"), (8, 1, 64, "lut"), (2, 16, 1, "lut"), (3, 1, 64, "lut"),
-         (4, 1, 64, "lut")]
+         (4, 1, 64, "lut"), (2, 1, 64, "lut")]
 
 
 def _side(g, B, H, T, D, bits, tg, dg, kind):

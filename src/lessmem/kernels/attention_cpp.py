@@ -8,9 +8,12 @@ online-softmax update (flash attention: running max m, running sum l, rescale ac
 by exp(m_old − m_new)) and accumulates ``p · v`` with the value rows decoded the same
 way. Where the format allows, the scales are folded instead of applied per element:
 per-channel key groups of a multiple of TILE tokens scale the query rows once a tile
-(``q·k = (q∘s)·c − q·(s∘z)``; splits then start on a group boundary), and one scale
-per value token scales p (``Σ p·s·c − Σ p·s·z``). Splits are merged with their log-sum-exp at the end. Nothing the size of the
-history is ever materialized in float.
+(``q·k = (q∘s)·c − q·(s∘z)``; splits then start on a group boundary), one scale per
+key token scales the score (``s·(q·c) − s·z·Σq``), and one scale per value token scales p
+(``Σ p·s·c − Σ p·s·z``); with a level table, ``c`` is the code's level, read from the
+packed codes in registers (2/4-bit split and 3-bit stream rows). Splits are merged with
+their log-sum-exp at the end. Nothing the size of the history is ever materialized in
+float.
 
 Three entries share that loop: ``qattn_forward`` (one batch of query rows against one
 history, as a ``KVCache`` layer asks), ``qattn_batch`` (a serving step: one decode

@@ -282,6 +282,60 @@ inline void unpack_mixed(const uint8_t* p, const QSide& q, float* out, int limit
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Levels of 8 codes (ints 0..15 in the lanes) from a table of at most 16 in two registers:
+// a permute each, a blend on the index (one permute when the table has 8 entries or fewer).
+template <int BITS>
+inline __m256 levels8(__m256i i, __m256 lo, __m256 hi) {
+  if (BITS <= 3) return _mm256_permutevar8x32_ps(lo, i);
+  const __m256 up = _mm256_castsi256_ps(_mm256_cmpgt_epi32(i, _mm256_set1_epi32(7)));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i), up);
+}
+#endif
+
+// One token's D levels (a side with a level table of <= 16 entries) straight from its codes:
+// the unpacked integers index the table in registers, never converted to floats and back.
+// False when the layout has no such path (the caller unpacks, then looks up).
+inline bool unpack_levels(const uint8_t* p, const QSide& q, int D, float* __restrict__ out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 32) return false;
+  const __m256 lo = _mm256_loadu_ps(q.lut16), hi = _mm256_loadu_ps(q.lut16 + 8);
+  if (q.packing == PACK_STREAM && q.bits == 3) {  // eight codes in three bytes
+    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m7 = _mm256_set1_epi32(7);
+    for (int g = 0; g < D / 8; ++g) {
+      const uint8_t* b = p + 3 * g;
+      const int w = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
+      _mm256_storeu_ps(out + 8 * g, levels8<3>(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m7), lo, hi));
+    }
+    return true;
+  }
+  if (q.packing != PACK_SPLIT) return false;
+  if (q.bits == 4) {  // byte j: channels j (low nibble) and j + D/2 (high)
+    const int h = D / 2;
+    const __m256i m15 = _mm256_set1_epi32(15);
+    for (int j = 0; j < h; j += 8) {
+      const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + j)));
+      _mm256_storeu_ps(out + j, levels8<4>(_mm256_and_si256(c, m15), lo, hi));
+      _mm256_storeu_ps(out + j + h, levels8<4>(_mm256_srli_epi32(c, 4), lo, hi));
+    }
+    return true;
+  }
+  if (q.bits == 2) {  // byte j: channels j, j + D/4, j + D/2, j + 3D/4
+    const int k = D / 4;
+    const __m256i m3 = _mm256_set1_epi32(3);
+    for (int j = 0; j < k; j += 8) {
+      const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + j)));
+      _mm256_storeu_ps(out + j, levels8<2>(_mm256_and_si256(c, m3), lo, hi));
+      _mm256_storeu_ps(out + j + k, levels8<2>(_mm256_and_si256(_mm256_srli_epi32(c, 2), m3), lo, hi));
+      _mm256_storeu_ps(out + j + 2 * k, levels8<2>(_mm256_and_si256(_mm256_srli_epi32(c, 4), m3), lo, hi));
+      _mm256_storeu_ps(out + j + 3 * k, levels8<2>(_mm256_srli_epi32(c, 6), lo, hi));
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
 inline void unpack_side(const uint8_t* p, const QSide& q, int D, float* out) {
   if (q.packing == PACK_MIXED) unpack_mixed(p, q, out, D);
   else unpack_row(p, q.packing, q.bits, D, out);
@@ -307,13 +361,18 @@ struct RowDecoder {
     sb = q.scale[i] + bh * q.R[i] * q.srow;
     zb = q.has_zp ? q.zp[i] + bh * q.R[i] * q.srow : nullptr;
   }
-  // token t's codes as floats, no scale: the folded paths' input (sides without a level
-  // table); a mixed row's first q.dkeep channels (its 0-bit channels only shift the score)
+  // token t's codes as floats (their levels, for a side with a level table), no scale: the
+  // folded paths' input; a mixed row's first q.dkeep channels (its 0-bit channels only
+  // shift the score)
   template <int DC>
   inline void raw(int64_t t, float* __restrict__ out) {
     if (t < s0 || t >= s1) locate(t);
-    if (q.packing == PACK_MIXED) unpack_mixed(cb + (t - s0) * q.rb, q, out, q.dkeep);
-    else unpack_row(cb + (t - s0) * q.rb, q.packing, q.bits, DC > 0 ? DC : this->D, out);
+    const int D = DC > 0 ? DC : this->D;
+    const uint8_t* p = cb + (t - s0) * q.rb;
+    if (q.lut && q.bits <= 4 && unpack_levels(p, q, D, out)) return;
+    if (q.packing == PACK_MIXED) unpack_mixed(p, q, out, q.dkeep);
+    else unpack_row(p, q.packing, q.bits, D, out);
+    if (q.lut) lookup(out, D);
   }
   // codes (as floats) -> their levels, in place
   inline void lookup(float* __restrict__ cp, int D) const {
@@ -505,9 +564,12 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     // group boundary, so each tile lies in one group and q·k = (q∘s)·c − q·(s∘z): the
     // scales go into the query rows once a tile and the key rows are only unpacked.
     const bool kfold = K.tg > 1 && K.tg % TILE == 0 && !K.lut;
+    // Folded per-token keys (one scale a token): q·k = s·(q·c) − s·z·Σq, c the code (its
+    // level with a table): the rows are only unpacked, the scale applied to the score.
+    const bool kfold_tok = K.tg == 1 && K.srow == 1;
     // Folded values: one scale per token, p·v = (p·s)·c − p·s·z, the second term summed
-    // per row and taken off the accumulator at the end.
-    const bool vfold = V.tg == 1 && V.srow == 1 && !V.lut;
+    // per row and taken off the accumulator at the end (c: the code's level with a table).
+    const bool vfold = V.tg == 1 && V.srow == 1;
     int64_t per = T > 0 ? (T + nsplit - 1) / nsplit : 0;
     if (kfold) per = (per + K.tg - 1) / K.tg * K.tg;
     const int64_t sp = it % nitem, bh = it / nitem, b = bh / Hkv, h = bh % Hkv;
@@ -515,15 +577,20 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     const int64_t t0 = fp ? 0 : sp * per;
     const int64_t t1 = fp ? F.L : std::min(T, t0 + per);
     if (t0 >= t1) continue;
-    const bool kf = kfold && !fp, vf = vfold && !fp;
+    const bool kf = kfold && !fp, vf = vfold && !fp, kft = kfold_tok && !fp;
     const int64_t Dk = kf ? K.dkeep : D;  // key row length in the tile (folded mixed keys: no 0-bit tail)
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
-    std::vector<float> sc(rows * TILE), w(TILE), va(TILE), vz(TILE);
+    std::vector<float> sc(rows * TILE), w(TILE), va(TILE), vz(TILE), ka(TILE), kza(TILE), qsum(rows);
     const float* qbase = fp ? F.q : J.q;
     std::vector<const float*> qrow(rows); std::vector<int64_t> rtq(rows);
     for (int64_t r = 0; r < rows; ++r) {
       rtq[r] = r % Tq;
       qrow[r] = qbase + ((b * Hq + h * nrep + r / Tq) * Tq + rtq[r]) * D;
+      if (kft) {
+        float sum = 0.f;
+        for (int64_t d = 0; d < D; ++d) sum += qrow[r][d];
+        qsum[r] = sum;
+      }
     }
     // running max / sum / accumulator in this item's own memory (the partial buffers of
     // neighbouring items share cache lines: writing them per tile made threads fight);
@@ -541,8 +608,12 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         if (fp) {
           const float* src = F.row(0, bh, ts + i, D, kb + i * D);
           if (src != kb + i * D) std::copy(src, src + D, kb + i * D);
-        } else if (kf) {
+        } else if (kf || kft) {
           kd.template raw<DC>(ts + i, kb + i * Dk);
+          if (kft) {
+            const float a = (float)*kd.scale_row(ts + i); const uint8_t* z = kd.zero_row(ts + i);
+            ka[i] = a; kza[i] = a * (z ? (float)*z : K.zc);
+          }
         } else {
           kd.template decode<DC>(ts + i, kb + i * D);
         }
@@ -582,6 +653,11 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
           srow[i] = s;
         }
         if (kf) for (int64_t i2 = 0; i2 < n; ++i2) srow[i2] -= kz[r];
+        if (kft) {
+          const float qz = qsum[r];
+#pragma omp simd
+          for (int64_t i2 = 0; i2 < n; ++i2) srow[i2] = ka[i2] * srow[i2] - kza[i2] * qz;
+        }
         const int64_t tq = rtq[r];
         if (fp) {
           if (F.mask)
