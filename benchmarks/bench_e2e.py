@@ -9,7 +9,9 @@ alternating within each repeat; the median over ``--repeats`` is reported.
 
 Per row: decode tok/s (the first generated token comes from the prefill, so ``new - 1``
 timed steps), prefill seconds, peak RSS (whole process, and while decoding: the peak is
-reset after the prefill), the RSS of the bare imports measured by a process that only
+reset after the prefill; lessmem loads no tokenizer, ``lessmem.load(..., tokenizer=False)``,
+as llama.cpp is fed ids too: the RSS its HF tokenizer adds, measured after the run, is
+reported beside it), the RSS of the bare imports measured by a process that only
 imports (python + torch + transformers + lessmem, or python + llama_cpp), KV bytes, the
 bytes a decode step reads (weights + KV) and the floor they imply at the memory bandwidth
 measured here (a read loop over 512 MiB), and how many greedy tokens match llama.cpp's
@@ -127,8 +129,8 @@ def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
 
         model = load_gguf_blocks(spec["gguf"])
         lessmem.lean_decode(model)  # what lessmem.load switches on
-    else:
-        model, _ = lessmem.load(spec["gguf"])
+    else:  # token ids in, token ids out: no tokenizer (its RSS is measured after the run)
+        model, _ = lessmem.load(spec["gguf"], tokenizer=False)
     cache = DynamicCache() if spec["kv"] == "DynamicCache" else KVCache(model.config, spec["kv"])
     kw = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
     ids = torch.tensor([ids_list])
@@ -148,6 +150,16 @@ def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
             times.append(time.perf_counter())
             out.append(int(nxt))
     decode_peak = _status_mib("VmHWM")
+    tokenizer_mib = None
+    if not spec.get("no_tokenizer"):  # what lessmem.load(path) would add by building the tokenizer
+        from transformers import AutoTokenizer
+
+        from lessmem.models import _file_meta_dir
+
+        before = _status_mib("VmRSS")
+        tok = AutoTokenizer.from_pretrained(str(_file_meta_dir(Path(spec["gguf"]))))
+        tokenizer_mib = _status_mib("VmRSS") - before
+        del tok
     if spec["kv"] == "DynamicCache":
         kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers
                        for t in (layer.keys, layer.values))
@@ -156,6 +168,7 @@ def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
     weights = sum(m.qweight.numel() for m in model.modules() if isinstance(m, GGUFLinear))
     return {"tokens": out, "prefill_s": times[0] - t0, "decode_s": times[-1] - times[0],
             "peak_rss_mib": max(whole_peak, decode_peak), "decode_peak_rss_mib": decode_peak,
+            "tokenizer_rss_mib": tokenizer_mib,
             "kv_bytes": int(kv_bytes), "weight_bytes_per_step": int(weights),
             "held": model._lessmem_gguf["bytes_mapped"] + model._lessmem_gguf["bytes_copied"]}
 
@@ -303,6 +316,8 @@ def _summarise(n: int, runs: dict, imports: dict, file_bytes: int, bw: float, ne
         row["rss_over_imports_mib"] = row["peak_rss_mib"] - base_rss  # the model's share
         row["decode_rss_over_imports_mib"] = row["decode_peak_rss_mib"] - base_rss
         row["rss_rule_ratio"] = row["rss_over_imports_mib"] * MiB / (file_bytes + row["kv_bytes"])
+        if rs[0].get("tokenizer_rss_mib") is not None:  # not in the decode run: what it would add
+            row["tokenizer_rss_mib"] = statistics.median(r["tokenizer_rss_mib"] for r in rs)
         if ref_tokens is not None:
             row["tokens_equal_llama_f16"] = sum(a == b for a, b in zip(rs[0]["tokens"], ref_tokens, strict=False))
         out.append(row)

@@ -61,6 +61,10 @@ def test_load_hf_directory(tmp_path):
     ids = torch.tensor([tok("abc")["input_ids"]])
     with torch.inference_mode():
         assert torch.allclose(m(ids).logits, m2(ids).logits)
+    m3, none = load(str(tmp_path), tokenizer=False)
+    assert none is None
+    with torch.inference_mode():
+        assert torch.equal(m2(ids).logits, m3(ids).logits)
 
 
 def test_load_errors(tmp_path):
@@ -74,6 +78,8 @@ def test_load_errors(tmp_path):
         load(str(tmp_path))
     with pytest.raises(ValueError, match="must be an alias, a path or a hub id"):
         load(3)
+    with pytest.raises(ValueError, match=r"tokenizer='no'; allowed: True or False"):
+        load(str(tmp_path), tokenizer="no")
     with pytest.raises(ValueError, match="unknown built-in model 'x'; allowed: smollm2-135m"):
         models.builtin_gguf("x")
 

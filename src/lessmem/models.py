@@ -189,7 +189,8 @@ def tiny_tokenizer():
 WEIGHTS = ("stored", "float")
 
 
-def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, weights: str = "stored"):
+def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, weights: str = "stored",
+         *, tokenizer: bool = True):
     """Load ``(model, tokenizer)`` from an alias, a ``.gguf`` file, a directory or a hub id.
 
     ``weights="stored"`` (default) keeps a GGUF file's quantized weights as its blocks,
@@ -217,6 +218,13 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     step (``lessmem.lean_decode``: the same logits bit for bit, without transformers'
     per-module overhead; ``lessmem.decode.lean_disable(model)`` turns it off).
 
+    ``tokenizer=False`` returns ``(model, None)`` without building the tokenizer, for
+    callers that feed token ids and read token ids (a serving backend behind its own
+    tokenizer, a benchmark; vLLM's ``skip_tokenizer_init``): the HF tokenizer of the
+    built-in model holds ~45 MiB, half the size of its weights file. (Where the source
+    only comes with one — a first load that caches a GGUF file's metadata, a quantized
+    checkpoint — it is built and dropped.)
+
     Example:
         >>> model, tok = load("smollm2-135m")                 # doctest: +SKIP
         >>> model.config.num_hidden_layers                    # doctest: +SKIP
@@ -226,33 +234,37 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
         raise ValueError(f"model must be an alias, a path or a hub id, got {name_or_path!r}")
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}; allowed: {', '.join(map(repr, WEIGHTS))}")
+    if not isinstance(tokenizer, bool):
+        raise ValueError(f"tokenizer={tokenizer!r}; allowed: True or False")
     name = os.fspath(name_or_path)
     if name in BUILTIN:
-        model, tok = _load_builtin(BUILTIN[name], dtype, weights)
+        model, tok = _load_builtin(BUILTIN[name], dtype, weights, tokenizer)
     else:
         path = Path(name).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            model, tok = _load_gguf(path, dtype, weights, meta_cache=_file_meta_dir(path))
+            model, tok = _load_gguf(path, dtype, weights, meta_cache=_file_meta_dir(path), tokenizer=tokenizer)
         elif path.is_dir() and (path / QUANT_MARKER).exists():
             model, tok = _load_quantized_checkpoint(path)
         elif path.is_dir():
             if not (path / "config.json").exists():
                 raise ValueError(f"could not load model {name!r} as a directory: it has no config.json "
                                  f"(nor {QUANT_MARKER}); pass a HF model directory or a .gguf file")
-            model, tok = _load_hf(str(path), dtype, local=True)
+            model, tok = _load_hf(str(path), dtype, local=True, tokenizer=tokenizer)
         elif path.exists():
             raise ValueError(f"{name!r} is a file but not a .gguf file; pass a .gguf file, "
                              "a model directory, a hub id or one of " + ", ".join(BUILTIN))
         elif _looks_like_hub_id(name):
             # where no hub answers, only the local HF cache can serve it (fails fast
             # instead of transformers' minute of retries)
-            model, tok = _load_hf(name, dtype, local=not _hub_reachable())
+            model, tok = _load_hf(name, dtype, local=not _hub_reachable(), tokenizer=tokenizer)
         else:
             raise ValueError(
                 f"unknown model {name!r}: not a built-in alias ({', '.join(BUILTIN)}), "
                 "not an existing .gguf file or directory, not a hub id (org/name)"
             )
     model.eval()
+    if not tokenizer:
+        tok = None
     if tok is not None:  # lessmem.quantize_ tokenizes calibration text with it (weights.calibrate)
         model._lessmem_tokenizer = tok
     from .base.cpu import trim_heap
@@ -346,7 +358,7 @@ def _dequantized_dir(spec: BuiltinModel, dtype: torch.dtype) -> Path:
     return cache_dir("models") / f"{spec.alias}-{spec.sha256[:12]}-{tag}"
 
 
-def _load_builtin(spec: BuiltinModel, dtype: torch.dtype, weights: str = "float"):
+def _load_builtin(spec: BuiltinModel, dtype: torch.dtype, weights: str = "float", tokenizer: bool = True):
     if weights == "stored":
         from lessmem.formats.gguf_file import read_gguf_header
         from lessmem.weights.gguf_load import ARCHS
@@ -355,12 +367,12 @@ def _load_builtin(spec: BuiltinModel, dtype: torch.dtype, weights: str = "float"
         header = read_gguf_header(path)  # parsed once for this load (~50 ms on the built-in model)
         arch = str(header.metadata.get("general.architecture", ""))
         if arch in ARCHS:
-            return _load_gguf(path, dtype, weights, meta_cache=_meta_dir(spec), header=header)
+            return _load_gguf(path, dtype, weights, meta_cache=_meta_dir(spec), header=header, tokenizer=tokenizer)
         _float_notice(spec.member, arch)  # the cached float copy below, not the GGUF parsed again
     saved = _dequantized_dir(spec, dtype)
     if (saved / "complete.json").exists():
         try:
-            return _load_hf(str(saved), dtype, local=True)
+            return _load_hf(str(saved), dtype, local=True, tokenizer=tokenizer)
         except (OSError, ValueError) as exc:  # a damaged cache entry: rebuild it from the GGUF
             print(f"lessmem: ignoring damaged {saved}: {exc}", file=sys.stderr)
     model, tok = _load_gguf(builtin_gguf(spec.alias), dtype)
@@ -421,14 +433,16 @@ def _file_meta_dir(path: Path) -> Path | None:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cache: Path | None = None,
-               header=None):
+               header=None, tokenizer: bool = True):
     """Load a GGUF file, after checking its header: a truncated or damaged file raises
     ``ValueError("not a valid GGUF file: <path>: ...")`` up front, where transformers would
     fail deep inside (``struct.error``, a numpy reshape). ``weights="stored"``: the blocks
     as they are (``weights.gguf_load``) where the architecture allows, else through
     transformers as floats. ``meta_cache``: a directory keeping the config and tokenizer
     transformers reads from the file's metadata (seconds of parsing, saved once). ``header``:
-    the file's header if the caller has already parsed it (it is then not read again)."""
+    the file's header if the caller has already parsed it (it is then not read again).
+    ``tokenizer=False``: none is built (the stored path with its metadata cached), or it is
+    dropped after the metadata cache is written (tok None)."""
     import struct
 
     from lessmem.formats.gguf_file import read_gguf_header
@@ -445,10 +459,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
         if weights == "stored" and arch in ARCHS:
             cached = meta_cache is not None and (meta_cache / "complete.json").exists()
             src, skw = (str(meta_cache), {}) if cached else (str(path.parent), kw)
-            tok = AutoTokenizer.from_pretrained(src, **skw)
+            tok = AutoTokenizer.from_pretrained(src, **skw) if tokenizer or not cached else None
             config = AutoConfig.from_pretrained(src, **skw)
             if meta_cache is not None and not cached:
                 _save_meta(config, tok, meta_cache)
+            if not tokenizer:
+                tok = None
             from .base.cpu import trim_heap
 
             trim_heap()  # what parsing freed goes back before the blocks are mapped
@@ -480,11 +496,11 @@ def _save_meta(config, tok, dest: Path) -> None:
     _write_cache_dir(dest, write, "the model's config")
 
 
-def _load_hf(name: str, dtype: torch.dtype, local: bool):
+def _load_hf(name: str, dtype: torch.dtype, local: bool, tokenizer: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name, local_files_only=local)
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=local) if tokenizer else None
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local)
     except (OSError, ValueError) as exc:
         where = "directory" if Path(name).is_dir() else (

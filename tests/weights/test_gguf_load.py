@@ -191,6 +191,17 @@ def test_gguf_path_keeps_its_config_and_tokenizer(tmp_path, monkeypatch):
     assert parses == [True, False]
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
     assert len(list((tmp_path / "cache" / "models").glob("gguf-meta-*"))) == 1
+    # ids in, ids out: no tokenizer is built once the metadata is kept, the model is the same
+    model, tok = lessmem.load(str(path), tokenizer=False)
+    assert tok is None and parses == [True, False] and not hasattr(model, "_lessmem_tokenizer")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, outs[0][0])
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     lessmem.load(str(path))
     assert parses == [True, False, True]
+    # a file parsed for the first time: the tokenizer is built for the kept metadata, then dropped
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert lessmem.load(str(path), tokenizer=False)[1] is None
+    assert parses == [True, False, True, True]
+    lessmem.load(str(path))
+    assert parses == [True, False, True, True, False]
