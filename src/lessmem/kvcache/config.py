@@ -41,6 +41,7 @@ from ..formats.granularity import Granularity, PerGroup, PerToken
 FORMATS = ("none", "int", "uint", "fp8-e4m3", "fp8-e5m2", "lm")
 SLIDING = ("exact", "quantize")
 WINDOW_DTYPES = ("fp16", "bf16", "fp32", "model")
+KEY_ROUNDING = ("nearest", "attention")
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -262,6 +263,11 @@ class KVConfig:
     ``sliding_window + block_size`` tokens held). Chunked-attention layers under
     ``"quantize"`` keep every block (the mask hides the other chunks).
     ``window_dtype``: dtype of the full-precision parts (``"model"``: as computed).
+    ``key_rounding``: how per-channel integer keys pick their codes, once their scales and
+    zero points are set: ``"nearest"`` rounds each value; ``"attention"`` rounds them in
+    order with the error fed forward (GPTQ) under the second moment of the layer's queries,
+    so what the scores lose is smallest (:mod:`lessmem.kvcache.key_rounding`). The stored
+    layout and the attention kernels are the same either way.
 
     Example:
         >>> from lessmem.formats import PerToken
@@ -285,6 +291,7 @@ class KVConfig:
     layer_overrides: tuple[tuple[int, KVTensorConfig, KVTensorConfig], ...] = ()
     sliding: str = "exact"
     window_dtype: str = "fp16"
+    key_rounding: str = "nearest"
 
     def __post_init__(self):
         """Check every field (numpy ints/bools are stored as plain int/bool)."""
@@ -295,7 +302,7 @@ class KVConfig:
             object.__setattr__(self, name, _check_int(name, getattr(self, name), lo))
         for name in ("rotate_keys", "rotate_values"):
             object.__setattr__(self, name, _check_bool(name, getattr(self, name)))
-        for name, allowed in (("sliding", SLIDING), ("window_dtype", WINDOW_DTYPES)):
+        for name, allowed in (("sliding", SLIDING), ("window_dtype", WINDOW_DTYPES), ("key_rounding", KEY_ROUNDING)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; allowed: {', '.join(allowed)}")
         object.__setattr__(self, "skip_layers", tuple(
@@ -412,6 +419,8 @@ class KVConfig:
     def from_dict(d: dict) -> KVConfig:
         """Inverse of ``to_dict`` (JSON-safe: lists for tuples): exactly its keys, unknown
         or missing keys are an error; the values are checked as the constructor checks them."""
+        if isinstance(d, dict) and "key_rounding" not in d:  # written before the field existed
+            d = {**d, "key_rounding": "nearest"}
         d = _check_keys("KVConfig", d, [f.name for f in fields(KVConfig)])
         for name in ("keys", "values"):
             if isinstance(d[name], dict):

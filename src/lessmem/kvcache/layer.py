@@ -33,6 +33,7 @@ from .block import KVBlock
 from .codec import kv_layout
 from .config import KVConfig, KVTensorConfig
 from .encode_op import encode_chunk  # torch.ops.lessmem.kv_encode: Triton on CUDA
+from .key_rounding import QueryMoments, applies, round_keys
 from .view import LayerView, _rot_matrix
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -104,12 +105,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.n_history = 0
         self.length = 0
         self.is_initialized = False
+        self.queries: QueryMoments | None = None  # key_rounding="attention": the queries seen
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         if self.quantized:  # the stored layout of each side (raises when head_dim does not fit)
             self.layouts = {"k": kv_layout(self.kspec, self.head_dim), "v": kv_layout(self.vspec, self.head_dim)}
+            if self.config.key_rounding == "attention" and applies(self.kspec):
+                self.queries = QueryMoments(self.num_heads, self.head_dim)
         wd = self.config.window_dtype
         self.store_dtype = self.dtype if (wd == "model" or not self.quantized) else _DTYPES[wd]
         empty = key_states.new_zeros((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.store_dtype)
@@ -139,7 +143,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         it (what ``update`` returns on the fused path), with no checks: for callers that made
         the keys and values for this layer themselves (the lean decode step)."""
         view = LayerView(self.sinks, self.read_history(), self.window, (key_states, value_states),
-                         self.rot_k, self.rot_v)
+                         self.rot_k, self.rot_v, self.queries)
         self._append(key_states, value_states)
         return view
 
@@ -176,7 +180,12 @@ class QuantizedKVLayer(CacheLayerMixin):
             kf = kf @ _rot_matrix(self.rot_k, kf.device, kf.shape[1])
         if self.rot_v is not None:
             vf = vf @ _rot_matrix(self.rot_v, vf.device)
-        encoded = (("k", encode_chunk(kf, self.kspec)), ("v", encode_chunk(vf, self.vspec)))
+        ek = encode_chunk(kf, self.kspec)
+        if self.queries is not None:  # codes chosen for the scores (key_rounding="attention")
+            U = self.queries.factor(None if self.rot_k is None else _rot_matrix(self.rot_k, kf.device, kf.shape[1]))
+            if U is not None:
+                ek = round_keys(kf, ek, self.kspec, U.to(kf.device))
+        encoded = (("k", ek), ("v", encode_chunk(vf, self.vspec)))
         # history part names: "k_codes", "k_scale", "k_zero_point" (if stored), "v_..."
         return {f"{side}_{part}": t for side, enc in encoded for part, t in enc.parts().items()}
 

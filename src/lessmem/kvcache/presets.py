@@ -12,7 +12,7 @@ Example:
     >>> resolve("int9")
     Traceback (most recent call last):
     ...
-    ValueError: unknown KV preset 'int9'; allowed: best-2, best-3, best-4, fp16, fp8, int4, int4-rot, int8, kivi-2, kivi-4, or a .json file written from KVConfig.to_dict(); either may take field=value changes after colons (window, sinks, block_size, rotation_seed, sliding, window_dtype, rotate_keys, rotate_values)
+    ValueError: unknown KV preset 'int9'; allowed: best-2, best-3, best-4, fp16, fp8, int4, int4-rot, int8, kivi-2, kivi-4, or a .json file written from KVConfig.to_dict(); either may take field=value changes after colons (window, sinks, block_size, rotation_seed, sliding, window_dtype, rotate_keys, rotate_values, key_rounding)
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def load_config(path) -> KVConfig:
 
 # KVConfig fields a preset name may change after a colon ("best-4:sliding=quantize:window=64")
 OPTIONS = {"window": int, "sinks": int, "block_size": int, "rotation_seed": int, "sliding": str,
-           "window_dtype": str, "rotate_keys": bool, "rotate_values": bool}
+           "window_dtype": str, "rotate_keys": bool, "rotate_values": bool, "key_rounding": str}
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 

@@ -158,6 +158,7 @@ class LayerView:
     current: tuple[torch.Tensor, torch.Tensor]
     rot_k: object | None = None
     rot_v: object | None = None
+    queries: object | None = None  # the layer's QueryMoments (key_rounding="attention"), fed here
 
     @property
     def n_sinks(self) -> int:
@@ -285,6 +286,8 @@ class LayerView:
         over all L = sinks + history + window + current positions.
         """
         B, Hq, Tq, D = q.shape
+        if self.queries is not None and not self.queries.full:
+            self.queries.add(q)
         if B == 1 and Tq == 1 and mask is None and self.n_history:
             out = self._attend_row(q, scaling)
             if out is not None:
