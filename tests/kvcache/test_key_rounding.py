@@ -98,3 +98,20 @@ def test_cache_rounds_keys_once_it_has_seen_queries():
     p = logits["dyn"].log_softmax(-1)
     kl = {n: (p.exp() * (p - logits[n].log_softmax(-1))).sum(-1).mean().item() for n in ("near", "attn")}
     assert kl["attn"] < 1e-2 and kl["near"] < 1e-2
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cpp_kernel_equals_the_torch_loop(bits):
+    from lessmem.kvcache.key_rounding import _cpp
+
+    if _cpp() is None:
+        pytest.skip("no C++ compiler: the torch loop runs (tested above)")
+    g = torch.Generator().manual_seed(10 + bits)
+    spec = KVTensorConfig("uint", bits, PerGroup(32, axis=-2))
+    k = torch.randn(2, 3, 96, 64, generator=g)
+    m = QueryMoments(3, 64)
+    m.add(torch.randn(2, 9, 300, 64, generator=g) @ torch.randn(64, 64, generator=g))
+    enc = encode(k, spec)
+    a = round_keys(k, enc, spec, m.factor(None))
+    b = round_keys(k, enc, spec, m.factor(None), use_cpp=False)
+    assert torch.equal(a.codes, b.codes)

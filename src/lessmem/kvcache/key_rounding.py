@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels._build import load_cpp_file
 from .codec import Encoded, kv_layout
 from .config import KVTensorConfig
 
@@ -105,13 +106,29 @@ def applies(spec: KVTensorConfig) -> bool:
     return spec.quantized and spec.format == "uint" and spec.per_channel and not spec.channel_bits
 
 
-def round_keys(x: torch.Tensor, enc: Encoded, spec: KVTensorConfig, U: torch.Tensor) -> Encoded:
+def _cpp():
+    """The C++ twin (``kernels/csrc/key_rounding.cpp``), or None without a compiler."""
+    return load_cpp_file("lessmem_keyround", "key_rounding.cpp", ["round_keys_rows"])
+
+
+def round_keys(x: torch.Tensor, enc: Encoded, spec: KVTensorConfig, U: torch.Tensor,
+               use_cpp: bool = True) -> Encoded:
     """``enc`` (``codec.encode(x, spec)``) with its codes chosen again: channel by channel,
     each rounding error fed forward through ``U`` (``QueryMoments.factor``, one per head of
-    ``x [B, H, T, D]``, in x's basis). Scales and zero points are kept."""
+    ``x [B, H, T, D]``, in x's basis). Scales and zero points are kept. On the CPU one C++
+    call does it (every token row in parallel); elsewhere, or without a compiler, a torch
+    loop over the channels."""
     B, H, T, D = x.shape
     lay = kv_layout(spec, D)
     tg = lay.token_group
+    mod = _cpp() if use_cpp and x.device.type == "cpu" else None
+    if mod is not None:
+        coef = (U / U.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)).float().contiguous()
+        codes = mod.round_keys_rows(x.float().contiguous(),
+                                    enc.scale.float().repeat_interleave(tg, dim=2).contiguous(),
+                                    enc.zero_point.float().repeat_interleave(tg, dim=2).contiguous(),
+                                    coef, float(2 ** spec.bits - 1))
+        return Encoded(lay.pack(codes), enc.scale, enc.zero_point)
     # channel-major [D, B, H, T]: each step reads and writes contiguous rows
     s = enc.scale.float().repeat_interleave(tg, dim=2).permute(3, 0, 1, 2).contiguous()
     z = enc.zero_point.float().repeat_interleave(tg, dim=2).permute(3, 0, 1, 2).contiguous()
