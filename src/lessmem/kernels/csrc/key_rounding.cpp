@@ -2,6 +2,7 @@
 // loop is the twin this file is tested against). Each token row of a KV head is independent:
 // its channels are rounded in order and each error is fed into the channels after it.
 #include <torch/extension.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
