@@ -221,7 +221,8 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     ``tokenizer=False`` returns ``(model, None)`` without building the tokenizer, for
     callers that feed token ids and read token ids (a serving backend behind its own
     tokenizer, a benchmark; vLLM's ``skip_tokenizer_init``): the HF tokenizer of the
-    built-in model adds ~40 MiB of RSS, 40% of its weights file. (Where the source
+    built-in model adds 40–43 MiB of RSS (``tokenizer_rss_mib`` in
+    ``benchmarks/results/e2e.json``), 40% of its weights file. (Where the source
     only comes with one — a first load that caches a GGUF file's metadata, a quantized
     checkpoint — it is built and dropped.)
 
@@ -441,8 +442,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
     transformers as floats. ``meta_cache``: a directory keeping the config and tokenizer
     transformers reads from the file's metadata (seconds of parsing, saved once). ``header``:
     the file's header if the caller has already parsed it (it is then not read again).
-    ``tokenizer=False``: none is built (the stored path with its metadata cached), or it is
-    dropped after the metadata cache is written (tok None)."""
+    ``tokenizer=False``: none is built on the stored path once the metadata is cached (the
+    first load builds one to cache it; ``load`` drops it)."""
     import struct
 
     from lessmem.formats.gguf_file import read_gguf_header
@@ -463,8 +464,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
             config = AutoConfig.from_pretrained(src, **skw)
             if meta_cache is not None and not cached:
                 _save_meta(config, tok, meta_cache)
-            if not tokenizer:
-                tok = None
             from .base.cpu import trim_heap
 
             trim_heap()  # what parsing freed goes back before the blocks are mapped

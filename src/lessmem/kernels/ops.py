@@ -137,6 +137,3 @@ def _triton_backend(q, k_codes, k_scale, k_zero_point, k_lut, k_layout, v_codes,
     return attention_triton.attention_parts(
         q, layout_of(k_layout), parts(k_codes, k_scale, k_zero_point), layout_of(v_layout),
         parts(v_codes, v_scale, v_zero_point), k_lut, v_lut, mask, seg)
-
-
-

@@ -176,13 +176,14 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         kf, vf = k.float(), v.float()
-        if self.rot_k is not None:  # rotate(x) = x @ Rᵀ (dense matmul: faster than the FWHT loop)
-            kf = kf @ _rot_matrix(self.rot_k, kf.device, kf.shape[1])
+        rk = _rot_matrix(self.rot_k, kf.device, kf.shape[1]) if self.rot_k is not None else None
+        if rk is not None:  # rotate(x) = x @ Rᵀ (dense matmul: faster than the FWHT loop)
+            kf = kf @ rk
         if self.rot_v is not None:
             vf = vf @ _rot_matrix(self.rot_v, vf.device)
         ek = encode_chunk(kf, self.kspec)
         if self.queries is not None:  # codes chosen for the scores (key_rounding="attention")
-            U = self.queries.factor(None if self.rot_k is None else _rot_matrix(self.rot_k, kf.device, kf.shape[1]))
+            U = self.queries.factor(rk)
             if U is not None:
                 ek = round_keys(kf, ek, self.kspec, U.to(kf.device))
         encoded = (("k", ek), ("v", encode_chunk(vf, self.vspec)))

@@ -200,6 +200,24 @@ struct QSide {
   bool has_zp;
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight 3-bit codes of a stream row from their three bytes: one broadcast, shifted per lane.
+inline __m256i stream3_codes8(const uint8_t* b) {
+  const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+  const int w = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), _mm256_set1_epi32(7));
+}
+
+// Levels of 8 codes (ints 0..15 in the lanes) from a table of at most 16 in two registers:
+// a permute each, a blend on the index (one permute when the table has 8 entries or fewer).
+template <int BITS>
+inline __m256 levels8(__m256i i, __m256 lo, __m256 hi) {
+  if (BITS <= 3) return _mm256_permutevar8x32_ps(lo, i);
+  const __m256 up = _mm256_castsi256_ps(_mm256_cmpgt_epi32(i, _mm256_set1_epi32(7)));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i), up);
+}
+#endif
+
 // One token's D codes, as floats, from its packed row (see formats/kvlayout.py).
 inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* out) {
   if (packing == PACK_SPLIT) {  // byte j: codes of channels j, j + D/p, ... (p = 8 / bits)
@@ -231,13 +249,8 @@ inline void unpack_row(const uint8_t* p, int packing, int bits, int D, float* ou
     return;
   }
 #if defined(__AVX2__) && defined(__FMA__)
-  if (bits == 3 && D % 8 == 0) {  // eight codes in three bytes: one broadcast, shifted per lane
-    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m7 = _mm256_set1_epi32(7);
-    for (int g = 0; g < D / 8; ++g) {
-      const uint8_t* b = p + 3 * g;
-      const int w = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
-      _mm256_storeu_ps(out + 8 * g, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m7)));
-    }
+  if (bits == 3 && D % 8 == 0) {  // eight codes in three bytes
+    for (int g = 0; g < D / 8; ++g) _mm256_storeu_ps(out + 8 * g, _mm256_cvtepi32_ps(stream3_codes8(p + 3 * g)));
     return;
   }
 #endif
@@ -282,17 +295,6 @@ inline void unpack_mixed(const uint8_t* p, const QSide& q, float* out, int limit
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Levels of 8 codes (ints 0..15 in the lanes) from a table of at most 16 in two registers:
-// a permute each, a blend on the index (one permute when the table has 8 entries or fewer).
-template <int BITS>
-inline __m256 levels8(__m256i i, __m256 lo, __m256 hi) {
-  if (BITS <= 3) return _mm256_permutevar8x32_ps(lo, i);
-  const __m256 up = _mm256_castsi256_ps(_mm256_cmpgt_epi32(i, _mm256_set1_epi32(7)));
-  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i), up);
-}
-#endif
-
 // One token's D levels (a side with a level table of <= 16 entries) straight from its codes:
 // the unpacked integers index the table in registers, never converted to floats and back.
 // False when the layout has no such path (the caller unpacks, then looks up).
@@ -301,12 +303,7 @@ inline bool unpack_levels(const uint8_t* p, const QSide& q, int D, float* __rest
   if (D % 32) return false;
   const __m256 lo = _mm256_loadu_ps(q.lut16), hi = _mm256_loadu_ps(q.lut16 + 8);
   if (q.packing == PACK_STREAM && q.bits == 3) {  // eight codes in three bytes
-    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m7 = _mm256_set1_epi32(7);
-    for (int g = 0; g < D / 8; ++g) {
-      const uint8_t* b = p + 3 * g;
-      const int w = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
-      _mm256_storeu_ps(out + 8 * g, levels8<3>(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m7), lo, hi));
-    }
+    for (int g = 0; g < D / 8; ++g) _mm256_storeu_ps(out + 8 * g, levels8<3>(stream3_codes8(p + 3 * g), lo, hi));
     return true;
   }
   if (q.packing != PACK_SPLIT) return false;
@@ -378,17 +375,30 @@ struct RowDecoder {
   inline void lookup(float* __restrict__ cp, int D) const {
     int d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (q.bits <= 4) {  // 16 levels at most: two registers, a permute each, a blend on the index
+    if (q.bits <= 4) {  // 16 levels at most, looked up in registers
       const __m256 lo = _mm256_loadu_ps(q.lut16), hi = _mm256_loadu_ps(q.lut16 + 8);
-      const __m256i seven = _mm256_set1_epi32(7);
-      for (; d + 8 <= D; d += 8) {
-        const __m256i i = _mm256_cvttps_epi32(_mm256_loadu_ps(cp + d));
-        const __m256 up = _mm256_castsi256_ps(_mm256_cmpgt_epi32(i, seven));
-        _mm256_storeu_ps(cp + d, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i), up));
-      }
+      for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(cp + d, levels8<4>(_mm256_cvttps_epi32(_mm256_loadu_ps(cp + d)), lo, hi));
     }
 #endif
     for (; d < D; ++d) cp[d] = q.lut[(int)cp[d]];
+  }
+  // folded per-token sides: a[i] = scale and az[i] = scale · zero point of tokens ts..ts+n-1,
+  // converted in one go when they lie in one segment (their rows are then consecutive)
+  inline void token_scales(int64_t ts, int64_t n, float* __restrict__ a, float* __restrict__ az) {
+    seek(ts);
+    if (ts + n <= s1) {
+      half_to_float(scale_row(ts), a, n);
+      const uint8_t* z = zero_row(ts);
+      for (int64_t i = 0; i < n; ++i) az[i] = a[i] * (z ? (float)z[i] : q.zc);
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      seek(ts + i);
+      const uint8_t* z = zero_row(ts + i);
+      a[i] = (float)*scale_row(ts + i);
+      az[i] = a[i] * (z ? (float)*z : q.zc);
+    }
   }
   // scale and zero point rows of token t's group (t in the segment last located)
   inline int64_t group_row(int64_t t) const { return (q.tg == 1 ? t - s0 : (t - s0) / q.tg) * q.srow; }
@@ -610,14 +620,11 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
           if (src != kb + i * D) std::copy(src, src + D, kb + i * D);
         } else if (kf || kft) {
           kd.template raw<DC>(ts + i, kb + i * Dk);
-          if (kft) {
-            const float a = (float)*kd.scale_row(ts + i); const uint8_t* z = kd.zero_row(ts + i);
-            ka[i] = a; kza[i] = a * (z ? (float)*z : K.zc);
-          }
         } else {
           kd.template decode<DC>(ts + i, kb + i * D);
         }
       }
+      if (kft) kd.token_scales(ts, n, ka.data(), kza.data());
       if (kf && ts / K.tg != kgroup) {  // a new key group: scale the query rows
         kgroup = ts / K.tg;
         const at::Half* s = kd.scale_row(ts); const uint8_t* z = kd.zero_row(ts);
@@ -680,18 +687,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         m[r] = mnew;
         l[r] += exp_rows(sc.data() + r * TILE, n, mnew);
       }
-      // folded values: the tile's per-token scales and zero points converted in one go when
-      // the tile lies in one segment (their rows are then consecutive)
-      bool vbulk = false;
-      if (vf) {
-        vd.seek(ts);
-        if (ts + n <= vd.s1) {
-          vbulk = true;
-          half_to_float(vd.scale_row(ts), va.data(), n);
-          const uint8_t* z = vd.zero_row(ts);
-          for (int64_t i = 0; i < n; ++i) vz[i] = va[i] * (z ? (float)z[i] : V.zc);
-        }
-      }
+      if (vf) vd.token_scales(ts, n, va.data(), vz.data());  // folded values: per-token scales
       for (int64_t i = 0; i < n; ++i) {  // the tile's values as float rows (codes when folded)
         const int64_t t = ts + i;
         if (fp) {
@@ -699,10 +695,6 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
           if (src != vb + i * D) std::copy(src, src + D, vb + i * D);
         } else if (vf) {
           vd.template raw<DC>(t, vb + i * D);
-          if (!vbulk) {
-            const float a = (float)*vd.scale_row(t); const uint8_t* z = vd.zero_row(t);
-            va[i] = a; vz[i] = a * (z ? (float)*z : V.zc);
-          }
         } else {
           vd.template decode<DC>(t, vb + i * D);
         }

@@ -7,19 +7,22 @@
 #include <cstdint>
 #include <vector>
 
-// w, s, z: [B, H, T, D] float32 (values, per-element scale and zero point); coef: [H, D, D]
-// float32, coef[h][j][k] = U_jk / U_jj; returns the codes [B, H, T, D] uint8.
+// w: [B, H, T, D] float32 keys; s, z: [B, H, T/tg, D] float32, each tg-token group's scale
+// and zero point per channel; coef: [H, D, D] float32, coef[h][j][k] = U_jk / U_jj; returns
+// the codes [B, H, T, D] uint8.
 torch::Tensor round_keys_rows(torch::Tensor w, torch::Tensor s, torch::Tensor z, torch::Tensor coef,
                               double qmax) {
   LM_CHECK(w.dim() == 4 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.is_cpu(),
            "round_keys_rows: w must be a contiguous float32 CPU tensor [B, H, T, D]");
-  LM_CHECK(s.sizes() == w.sizes() && z.sizes() == w.sizes() && s.is_contiguous() && z.is_contiguous() &&
-           s.scalar_type() == torch::kFloat && z.scalar_type() == torch::kFloat,
-           "round_keys_rows: s and z must be contiguous float32 like w");
   const int64_t B = w.size(0), H = w.size(1), T = w.size(2), D = w.size(3);
+  LM_CHECK(s.dim() == 4 && s.sizes() == z.sizes() && s.size(0) == B && s.size(1) == H && s.size(3) == D &&
+           s.size(2) > 0 && T % s.size(2) == 0 && s.is_contiguous() && z.is_contiguous() &&
+           s.scalar_type() == torch::kFloat && z.scalar_type() == torch::kFloat,
+           "round_keys_rows: s and z must be contiguous float32 [B, H, T/tg, D]");
   LM_CHECK(coef.dim() == 3 && coef.size(0) == H && coef.size(1) == D && coef.size(2) == D &&
            coef.scalar_type() == torch::kFloat && coef.is_contiguous(),
            "round_keys_rows: coef must be contiguous float32 [H, D, D]");
+  const int64_t G = s.size(2), tg = T / G;
   auto codes = torch::empty({B, H, T, D}, w.options().dtype(torch::kUInt8));
   const float* wp = w.data_ptr<float>(); const float* sp = s.data_ptr<float>();
   const float* zp = z.data_ptr<float>(); const float* cp = coef.data_ptr<float>();
@@ -31,14 +34,13 @@ torch::Tensor round_keys_rows(torch::Tensor w, torch::Tensor s, torch::Tensor z,
     std::vector<float> x(D);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = (r / T) % H, o = r * D;
-      const float* c = cp + h * D * D;
+      const int64_t bh = r / T, h = bh % H, o = r * D, g = (bh * G + (r % T) / tg) * D;
+      const float* c = cp + h * D * D; const float* sg = sp + g; const float* zg = zp + g;
       for (int64_t d = 0; d < D; ++d) x[d] = wp[o + d];
       for (int64_t j = 0; j < D; ++j) {
-        float q = std::nearbyint(x[j] / sp[o + j]) + zp[o + j];
-        q = std::min(std::max(q, 0.f), qm);
+        const float q = std::min(std::max(std::nearbyint(x[j] / sg[j]) + zg[j], 0.f), qm);
         out[o + j] = (uint8_t)q;
-        const float e = x[j] - (q - zp[o + j]) * sp[o + j];
+        const float e = x[j] - (q - zg[j]) * sg[j];
         const float* cj = c + j * D;
 #pragma omp simd
         for (int64_t k = j + 1; k < D; ++k) x[k] -= e * cj[k];
