@@ -114,7 +114,7 @@ def _proj(m):
     from .weights.gguf_linear import _GGUF, GGUFLinear
     from .weights.qlinear import FUSED_MAX_ROWS
 
-    if type(m) is GGUFLinear:
+    if type(m) is GGUFLinear and m.out_perm is None:
         bufs, params, tid, n = m._buffers, m._parameters, m._type.ggml_id, m.out_features
         fused_max = FUSED_MAX_ROWS * m.in_features
         return lambda x: (_GGUF(x, bufs["qweight"], tid, n, params.get("bias"), m.int8_activations)
@@ -160,11 +160,18 @@ def _multi(mods, glue):
 
     if glue is None or not all(type(m) is GGUFLinear for m in mods):
         return None
+    if any(m.out_perm is not None and m.bias is not None for m in mods):
+        return None  # (the bias goes after the gather: one by one)
     bufs = [m._buffers for m in mods]
     params = [m._parameters for m in mods]
     ids = [m._type.ggml_id for m in mods]
     ns = [m.out_features for m in mods]
     fused_max = FUSED_MAX_ROWS * mods[0].in_features
+    order = None  # rows held in another order than the outputs (GGUFLinear.out_perm): one gather
+    if any(m.out_perm is not None for m in mods):
+        starts = [sum(ns[:i]) for i in range(len(ns))]
+        order = torch.cat([s + (m.out_perm.cpu() if m.out_perm is not None else torch.arange(n))
+                           for m, s, n in zip(mods, starts, ns, strict=True)])
 
     def call(x):
         flags = {m.int8_activations for m in mods}
@@ -173,7 +180,8 @@ def _multi(mods, glue):
         ws = [b["qweight"] for b in bufs]
         if any(w.device.type != "cpu" for w in ws):
             return None
-        return glue.gguf_linear_multi(x, ws, ids, ns, [p.get("bias") for p in params], flags.pop())
+        y = glue.gguf_linear_multi(x, ws, ids, ns, [p.get("bias") for p in params], flags.pop())
+        return y if order is None else y.index_select(-1, order)
     return call
 
 

@@ -85,6 +85,30 @@ def test_linears_view_the_mapped_file(tmp_path):
     assert rep["bytes_mapped"] < path.stat().st_size
 
 
+def test_llama_qk_rows_stay_mapped_and_outputs_come_in_transformers_order(tmp_path):
+    """llama.cpp's q/k rows (its rotary order) are viewed in the mapping like every other
+    linear; the layer gathers its outputs (``out_perm``) instead of copying the rows, and
+    everything seen from outside (outputs, ``weight``, ``state_dict``) is in transformers' order."""
+    m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    path = write_model_gguf(m, tmp_path / "m.gguf", "q8_0")
+    g = load_gguf_blocks(path, config=m.config)
+    blocks = [x for x in g.modules() if isinstance(x, GGUFLinear)]
+    assert len({x.qweight.untyped_storage().data_ptr() for x in blocks}) == 1
+    assert g._lessmem_gguf["bytes_mapped"] == sum(x.qweight.numel() for x in blocks) + g.model.embed_tokens.qweight.numel()
+    q = g.model.layers[0].self_attn.q_proj
+    assert q.out_perm is not None and g.model.layers[0].mlp.up_proj.out_perm is None
+    plain = GGUFLinear(q.in_features, q.out_features, "q8_0", False, int8_activations=q.int8_activations)
+    plain.load_state_dict(q.state_dict())  # saved in output order: a plain layer computes the same
+    assert plain.out_perm is None and torch.equal(plain.weight, q.weight)
+    x = torch.randn(3, q.in_features, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(plain(x), q(x))  # decode rows: the fused kernel, row by row
+    xs = torch.randn(200, q.in_features, generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(plain(xs), q(xs), atol=1e-5)  # prefill rows: decoded + BLAS
+    assert torch.equal(q.rows_in_output_order(), plain.qweight)
+    with pytest.raises(ValueError, match="permutation of range"):
+        GGUFLinear(q.in_features, q.out_features, "q8_0", False, out_perm=torch.zeros(q.out_features, dtype=torch.long))
+
+
 def test_permute_rows_round_trips_and_names_map_back():
     w = torch.arange(8 * 3).reshape(8, 3)
     assert torch.equal(permute_rows(permute_rows(w, 2, inverse=False), 2), w)

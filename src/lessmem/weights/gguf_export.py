@@ -168,7 +168,7 @@ def export_gguf_encoded(src, out, mix: str, model, add_keys=None, progress: bool
         typ = source.plan[gname][1]
         if typ != mod.gguf_type:
             raise ValueError(f"{name} holds {mod.gguf_type.upper()} rows; {mix} gives {gname} {typ.upper()}")
-        rows = mod.qweight.detach().cpu()
+        rows = mod.rows_in_output_order().detach().cpu()
         sub = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
         if source.arch in _PERMUTED and sub in heads:
             rows = permute_rows(rows, heads[sub], inverse=False)

@@ -3,7 +3,7 @@
 The weight ``W [N, K]`` (``N = out_features``, ``K = in_features``) lives in the one
 registered buffer ``qweight`` — uint8 ``[N, K / block_size * type_size]``, the bytes a
 ``.gguf`` file stores for the tensor (llama.cpp's layout, any of the twelve types of
-``kernels.gguf_linear_cpp.KERNEL_TYPES``: the ten of ``formats.gguf`` and IQ4_NL / IQ4_XS) — plus an optional float32 ``bias``. Nothing else is kept, so
+``kernels.gguf_linear_cpp.KERNEL_TYPES``: the ten of ``formats.gguf`` and IQ4_NL / IQ4_XS) — plus an optional float32 ``bias`` (and ``out_perm``, below). Nothing else is kept, so
 ``nbytes`` is ``N · K · bpw / 8`` (+ bias): Q4_0 4.5 bits per weight, Q4_K 4.5, Q6_K
 6.5625, Q8_0 8.5, against 32 for the float layer.
 
@@ -15,6 +15,15 @@ decode the weight once (``torch.ops.lessmem.gguf_dequantize``, bit-identical to
 ``formats.gguf.dequantize_gguf``) and use BLAS, then drop it. Without a compiler, on
 another device, or for a type the Triton kernel does not take, the torch fallback
 ``kernels.gguf_linear_torch`` runs (after one warning where a faster kernel was expected).
+
+Rows held in another order than the outputs (``out_perm``): a llama.cpp file stores the q/k
+projections of a Llama with each head's rotary pairs interleaved, where transformers
+expects the two halves. Reordering those rows would copy them (8 MB on the built-in model,
+held beside the file's own pages); with ``out_perm`` the layer keeps the file's rows as
+they are mapped and gathers its outputs instead (output ``j`` is row ``out_perm[j]``; one
+``index_select`` of a few hundred floats per decode call). Everything seen from outside is
+in output order: ``weight``, ``dequantized_weight()``, ``state_dict()`` (a checkpoint holds
+the rows reordered, so it loads into a layer without ``out_perm``) and ``rows_in_output_order()``.
 
 Example:
     >>> import torch
@@ -50,9 +59,12 @@ class GGUFLinear(nn.Module):
     """A linear layer with its weight in a GGUF block type; see the module doc."""
 
     def __init__(self, in_features: int, out_features: int, gguf_type, bias: bool = True, *,
-                 qweight: torch.Tensor | None = None, int8_activations: bool = False):
+                 qweight: torch.Tensor | None = None, int8_activations: bool = False,
+                 out_perm: torch.Tensor | None = None):
         """``qweight``: raw rows to hold as they are (no copy: a view of a memory-mapped file
         stays one, and two layers given one tensor share it); default zeros.
+        ``out_perm``: output ``j`` is computed from row ``out_perm[j]`` of ``qweight`` (a
+        permutation of ``range(out_features)``; module doc); default: row ``j``.
         ``int8_activations``: decode rows (up to ``FUSED_MAX_ROWS``) of a Q4_0, Q4_1 or Q8_0
         weight are quantized to int8 per block of 32 and multiplied with integer dot products
         (``kernels.gguf_linear_cpp.gguf_linear_q8``, what llama.cpp does; ~1.5-2x faster, the
@@ -78,6 +90,7 @@ class GGUFLinear(nn.Module):
                              f"{getattr(qweight, 'dtype', type(qweight).__name__)} "
                              f"{tuple(getattr(qweight, 'shape', ()))}")
         self.register_buffer("qweight", qweight)
+        self.register_buffer("out_perm", _check_perm(out_perm, out_features, qweight.device), persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     # ---- construction -------------------------------------------------------------
@@ -124,8 +137,25 @@ class GGUFLinear(nn.Module):
         return held_nbytes(self)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """float32 ``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf`` (a new tensor)."""
-        return _DEQUANT(self.qweight, self._type.ggml_id, self.out_features, self.in_features)
+        """float32 ``W_hat [N, K]`` in output order, bit-identical to
+        ``formats.gguf.dequantize_gguf`` of ``rows_in_output_order()`` (a new tensor)."""
+        w = _DEQUANT(self.qweight, self._type.ggml_id, self.out_features, self.in_features)
+        return w if self.out_perm is None else w.index_select(0, self.out_perm)
+
+    def rows_in_output_order(self) -> torch.Tensor:
+        """The raw rows with row ``j`` for output ``j``: ``qweight`` itself, or a reordered
+        copy when the layer holds them in another order (``out_perm``)."""
+        return self.qweight if self.out_perm is None else self.qweight.index_select(0, self.out_perm)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.out_perm is not None:  # saved in output order: loads into any GGUFLinear
+            destination[prefix + "qweight"] = self.rows_in_output_order()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "qweight" in state_dict:  # rows in output order (as saved), held so
+            self.out_perm = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -136,20 +166,27 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; this layer takes {self.in_features}")
-        if x.numel() > FUSED_MAX_ROWS * self.in_features:  # prefill: decode, BLAS
-            return self._decoded_matmul(x)
-        # the op (kernels.linear_ops): CPU C++, CUDA Triton, the bias added inside
-        return _GGUF(x, self.qweight, self._type.ggml_id, self.out_features, self.bias,
-                     self.int8_activations)
+        if self.out_perm is None:
+            return self._rows(x, self.bias)
+        y = self._rows(x, None).index_select(-1, self.out_perm)  # outputs in order, then the bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _decoded_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor, bias) -> torch.Tensor:
+        """The outputs in ``qweight``'s row order."""
+        if x.numel() > FUSED_MAX_ROWS * self.in_features:  # prefill: decode, BLAS
+            return self._decoded_matmul(x, bias)
+        # the op (kernels.linear_ops): CPU C++, CUDA Triton, the bias added inside
+        return _GGUF(x, self.qweight, self._type.ggml_id, self.out_features, bias, self.int8_activations)
+
+    def _decoded_matmul(self, x: torch.Tensor, bias) -> torch.Tensor:
         """Many rows: decode the weight and use BLAS, ``DECODE_ROWS_MAX`` output rows of it at a
         time, so a large matrix (a 49k-row tied ``lm_head``) is never held whole as floats."""
         xf = x.float()
-        bias = None if self.bias is None else self.bias.float()
+        bias = None if bias is None else bias.float()
         step = max(1, DECODE_WEIGHTS_MAX // self.in_features)
         if self.out_features <= step:
-            return F.linear(xf, self.dequantized_weight(), bias).to(x.dtype)
+            w = _DEQUANT(self.qweight, self._type.ggml_id, self.out_features, self.in_features)
+            return F.linear(xf, w, bias).to(x.dtype)
         y = xf.new_empty(*x.shape[:-1], self.out_features)
         for n0 in range(0, self.out_features, step):
             n1 = min(n0 + step, self.out_features)
@@ -160,7 +197,19 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"gguf_type={self.gguf_type}, bias={self.bias is not None}"
-                + (", int8_activations=True" if self.int8_activations else ""))
+                + (", int8_activations=True" if self.int8_activations else "")
+                + (", out_perm=..." if self.out_perm is not None else ""))
+
+
+def _check_perm(perm, n: int, device) -> torch.Tensor | None:
+    """``perm`` as an int64 tensor on ``device`` after checking it is a permutation of ``range(n)``."""
+    if perm is None:
+        return None
+    if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int32, torch.int64) or perm.dim() != 1:
+        raise ValueError(f"out_perm must be a 1-D integer tensor, got {getattr(perm, 'dtype', type(perm).__name__)}")
+    if perm.numel() != n or not torch.equal(perm.sort().values.cpu(), torch.arange(n)):
+        raise ValueError(f"out_perm must be a permutation of range({n}) (one entry per output)")
+    return perm.to(device=device, dtype=torch.int64)
 
 
 def set_int8_activations(model: nn.Module, on: bool = True) -> int:

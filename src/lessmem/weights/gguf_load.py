@@ -9,9 +9,10 @@ touched and counted once, however many layers view them):
   ``formats.gguf``'s ``GGUF_TYPES`` and IQ4_NL / IQ4_XS) becomes a
   ``GGUFLinear`` whose ``qweight`` *is* the file's bytes (a view, no copy), run by the fused
   dequant-matmul kernel when decoding. For ``llama`` files the ``attn_q``/``attn_k`` rows
-  are put back in transformers' rotary order (llama.cpp's converter interleaves them,
-  transformers' own GGUF loader undoes it the same way); rows hold whole blocks, so only
-  those two small tensors are copied;
+  are in llama.cpp's rotary order (its converter interleaves each head's pairs; transformers'
+  own GGUF loader reorders them): they stay mapped as stored and the layer gives its
+  outputs in transformers' order (``GGUFLinear``'s ``out_perm``: a gather of the outputs,
+  no copy of the rows);
 - ``token_embd`` becomes a ``GGUFEmbedding``: the rows of the looked-up tokens are decoded
   per call, never the table;
 - a tied ``lm_head`` is a ``GGUFLinear`` over the same tensor (held once);
@@ -194,12 +195,10 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8
             continue
         rows = raw.view(shape[0], -1)
         sub = module_name.split(".", 3)[-1] if module_name.startswith("model.layers.") else ""
-        if arch in _PERMUTED and sub in heads:
-            # read, not mapped: the mapped pages would stay in the RSS beside the copy
-            rows = permute_rows(_read_bytes(path, info.offset, info.nbytes).view(shape[0], -1), heads[sub])
-            report["bytes_copied"] += rows.numel()
-        else:
-            report["bytes_mapped"] += rows.numel()
+        perm = None
+        if arch in _PERMUTED and sub in heads:  # mapped as stored: the layer reorders its outputs
+            perm = permute_rows(torch.arange(shape[0]).view(-1, 1), heads[sub]).view(-1)
+        report["bytes_mapped"] += rows.numel()
         report["types"][module_name] = qtype
         if module_name == "model.embed_tokens":
             embed = GGUFEmbedding(rows, qtype, shape[1], dtype)
@@ -207,7 +206,8 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8
         else:
             old = model.get_submodule(module_name)
             set_module(model, module_name, GGUFLinear(shape[1], shape[0], qtype, old.bias is not None,
-                                                      qweight=rows, int8_activations=int8_activations))
+                                                      qweight=rows, int8_activations=int8_activations,
+                                                      out_perm=perm))
     for name, raw, info, shape in floats:  # norms, biases, float weights
         value = _float_tensor(raw, info, shape, report, name)
         module_name = name.rpartition(".")[0]
@@ -229,17 +229,6 @@ def load_gguf_blocks(path, dtype: torch.dtype = torch.float32, config=None, int8
             raise ValueError(f"{path}: nothing in the file sets {n} (architecture {arch})")
     model._lessmem_gguf = report
     return model.eval()
-
-
-def _read_bytes(path, offset: int, n: int) -> torch.Tensor:
-    """``n`` bytes of the file at ``offset`` as a uint8 tensor (a read into new memory)."""
-    buf = torch.empty(n, dtype=torch.uint8)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        got = f.readinto(buf.numpy())
-    if got != n:
-        raise ValueError(f"{path}: the file ends {n - got} bytes before the tensor at offset {offset} does")
-    return buf
 
 
 def _float_tensor(raw: torch.Tensor, info, shape, report: dict, name: str) -> torch.Tensor:
