@@ -7,9 +7,16 @@ the window; whenever the window holds ``window + block_size`` tokens or more, it
 oldest whole blocks are quantized once and appended to the history. History codes are
 never dequantized and re-quantized.
 
-The history of a layer is kept as contiguous per-layer tensors (``history``: codes,
-scales, zero points of keys and values, tokens along dim 2) into which every block is
-appended by concatenation; ``blocks()`` returns the immutable per-block views.
+The history of a layer (codes, scales, zero points of keys and values, tokens along dim 2)
+is held in pieces of ``SEGMENT_TOKENS`` tokens on the CPU: blocks are appended to the last
+piece by concatenation, and a piece that is full is never copied again. Attention reads
+the pieces in place (a :class:`~lessmem.kernels.attention.SegmentedKV`). One growing
+tensor would be copied whole at every block a layer appends, and each copy leaves the
+old one's pages behind in the allocator: at 4096 tokens a 512-token prefill chunk
+held about twice the KV bytes at its peak. On other devices (and in sliding layers,
+whose history is bounded) the history is one piece. ``history`` gives it as one dict
+(joined: a copy when there are several pieces); ``blocks()`` returns the immutable
+per-block views.
 Attention reads the history through exactly one method, ``read_history()``: a tiered
 subclass (offload) overrides it (and ``_append_history``) to fetch blocks from its tiers.
 
@@ -28,7 +35,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..formats.permutation import channel_permutation
-from ..kernels.attention import QuantKV, QuantSide
+from ..kernels.attention import QuantKV, QuantSide, SegmentedKV
 from .block import KVBlock
 from .codec import kv_layout
 from .config import KVConfig, KVTensorConfig
@@ -37,6 +44,7 @@ from .key_rounding import QueryMoments, applies, round_keys
 from .view import LayerView, _rot_matrix
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (module doc)
 
 
 def crop_to_length(tokens_to_remove, length: int) -> int:
@@ -76,6 +84,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    segment_tokens: int | None = SEGMENT_TOKENS  # None: the history is one piece
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations=(None, None),
                  fused: Callable[[], bool] = lambda: False):
@@ -100,8 +109,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.keys = self.values = None  # full-precision tensors of an unquantized layer
         self.sinks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.window: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.history: dict[str, torch.Tensor] | None = None
-        self._read = None  # (history dict, its QuantKV): read_history's memo
+        self._pieces: list[dict[str, torch.Tensor]] = []  # the history: full pieces, then the last
+        self._read = None  # the history as attention reads it (read_history's memo)
         self.n_history = 0
         self.length = 0
         self.is_initialized = False
@@ -193,43 +202,100 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _append_history(self, new: dict[str, torch.Tensor]) -> None:
         """Append encoded tokens (codes/scales/zero points, tokens along dim 2)."""
         self._read = None  # (the old parts are freed once the step's view lets go of them)
-        if self.history is None:
-            self.history = {name: t.contiguous() for name, t in new.items()}
-        else:
-            self.history = {name: torch.cat([self.history[name], t], dim=2) for name, t in new.items()}
+        self._add_pieces(new)
         self.n_history += new["k_codes"].shape[2]
 
-    def read_history(self) -> QuantKV | None:
-        """The quantized history as attention reads it (the one read point). The same object
-        until the history changes, so what the kernels derive from it (argument lists, the
-        pointer table) is made once per block, not once per step."""
-        h = self.history
-        if h is None:
+    def _segment(self) -> int | None:
+        """Tokens per piece of the history (a multiple of the block size), None for one piece."""
+        S = self.segment_tokens
+        if S is None or self.device.type != "cpu":
             return None
-        if self._read is not None and self._read[0] is h:
-            return self._read[1]
+        B = self.config.block_size
+        return max(B, S // B * B)
+
+    def _add_pieces(self, new: dict[str, torch.Tensor]) -> None:
+        """Append ``new`` to the last piece; full pieces are split off and never copied again."""
+        S = self._segment()
+        last = self._pieces.pop() if self._pieces and (S is None or self._n_tokens(self._pieces[-1]) < S) else None
+        joined = new if last is None else {n: torch.cat([last[n], t], dim=2) for n, t in new.items()}
+        n = self._n_tokens(joined)
+        if S is None or n <= S:
+            self._pieces.append({name: t.contiguous() for name, t in joined.items()})
+            return
+        for t0 in range(0, n, S):  # (copies of at most S tokens: the pieces own their storage)
+            self._pieces.append({name: t.clone() for name, t in self._slice(joined, t0, min(n, t0 + S)).items()})
+
+    @staticmethod
+    def _n_tokens(piece: dict[str, torch.Tensor]) -> int:
+        return piece["k_codes"].shape[2]
+
+    @property
+    def history(self) -> dict[str, torch.Tensor] | None:
+        """The whole quantized history as one dict of tensors (tokens along dim 2): the piece
+        itself when there is one, else the pieces joined (a copy)."""
+        if not self._pieces:
+            return None
+        if len(self._pieces) == 1:
+            return self._pieces[0]
+        return {n: torch.cat([p[n] for p in self._pieces], dim=2) for n in self._pieces[0]}
+
+    @history.setter
+    def history(self, h: dict[str, torch.Tensor] | None) -> None:
+        """Replace the history (``n_history`` is the caller's to set)."""
+        self._pieces, self._read = [], None
+        if h is not None:
+            self._add_pieces(h)
+
+    def read_history(self) -> QuantKV | SegmentedKV | None:
+        """The quantized history as attention reads it (the one read point): one piece as a
+        QuantKV, several read in place as a SegmentedKV. The same object until the history
+        changes, so what the kernels derive from it (argument lists, the pointer table) is
+        made once per block, not once per step."""
+        if self._read is not None or not self._pieces:
+            return self._read
         D = self.head_dim
-        kv = QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
-                     _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
-        self._read = (h, kv)
-        return kv
+
+        def kv(h):
+            return QuantKV(_side(self.kspec, h["k_codes"], h["k_scale"], h.get("k_zero_point"), D),
+                           _side(self.vspec, h["v_codes"], h["v_scale"], h.get("v_zero_point"), D))
+        f = kv(self._pieces[0])
+        if len(self._pieces) > 1:
+            kz, vz = f.keys.zero_point is not None, f.values.zero_point is not None
+            f = SegmentedKV(f.keys, f.values,
+                            tuple((p["k_codes"], p["k_scale"], p["k_zero_point"] if kz else None) for p in self._pieces),
+                            tuple((p["v_codes"], p["v_scale"], p["v_zero_point"] if vz else None) for p in self._pieces),
+                            self._segment())
+        self._read = f
+        return f
 
     def blocks(self) -> list[KVBlock]:
         """The history as immutable blocks of ``block_size`` tokens (views, no copy)."""
-        if self.history is None:
-            return []
         B = self.config.block_size
         return [KVBlock(self.history_start + t0, B, self._history_slice(t0, t0 + B))
                 for t0 in range(0, self.n_history // B * B, B)]
 
-    def _history_slice(self, t0: int, t1: int) -> dict[str, torch.Tensor]:
-        """History tokens ``[t0, t1)`` (on token-group edges) of every part, as views."""
+    def _slice(self, parts: dict[str, torch.Tensor], t0: int, t1: int) -> dict[str, torch.Tensor]:
+        """Tokens ``[t0, t1)`` (on token-group edges) of every part of ``parts``, as views."""
         out = {}
-        for name, t in self.history.items():
+        for name, t in parts.items():
             side, part = name.split("_", 1)
             tg = self.layouts[side].tokens_per_row(part)
             out[name] = t[:, :, t0 // tg:t1 // tg]
         return out
+
+    def _history_slice(self, t0: int, t1: int) -> dict[str, torch.Tensor]:
+        """History tokens ``[t0, t1)`` (on token-group edges) of every part: views when they lie
+        in one piece (a block always does), else joined."""
+        got, start = [], 0
+        for piece in self._pieces:
+            n = self._n_tokens(piece)
+            a, b = max(t0, start), min(t1, start + n)
+            if a < b:
+                got.append(self._slice(piece, a - start, b - start))
+            start += n
+        if len(got) == 1:
+            return got[0]
+        return {n: torch.cat([g[n] for g in got], dim=2) for n in got[0]}
 
     @property
     def history_start(self) -> int:
@@ -263,9 +329,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             return m
         m["sinks"] = nb(self.sinks[0]) + nb(self.sinks[1])
         m["window"] = nb(self.window[0]) + nb(self.window[1])
-        if self.history is not None:
-            for name, t in self.history.items():
+        for piece in self._pieces:
+            for name, t in piece.items():
                 count_part(m, name, nb(t))
+        if self._pieces:
             m["quant_elements"] = self.batch_size * self.num_heads * self.n_history * self.head_dim
         return m
 
@@ -278,9 +345,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         else:
             self.sinks = (fn(self.sinks[0]), fn(self.sinks[1]))
             self.window = (fn(self.window[0]), fn(self.window[1]))
-            if self.history is not None:
-                self.history = {n: fn(t) for n, t in self.history.items()}
-                self._read = None
+            self._pieces = [{n: fn(t) for n, t in piece.items()} for piece in self._pieces]
+            self._read = None
         self.batch_size = (self.keys if not self.quantized else self.window[0]).shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -355,6 +421,7 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
     """
 
     is_sliding = True
+    segment_tokens = None  # (the history is bounded: one piece)
 
     def __init__(self, config: KVConfig, layer_idx: int, sliding_window: int, rotations=(None, None),
                  fused: Callable[[], bool] = lambda: False):

@@ -38,8 +38,9 @@ def fill_from(new, src: KVCache) -> None:
             continue
         d.load(length=s.length, sinks=(s.sinks[0].clone(), s.sinks[1].clone()),
                window=(s.window[0].clone(), s.window[1].clone()))
-        if s.history is not None:
-            feeds.append((d, s.history, s.n_history))
+        history = s.history  # (the pieces joined: one copy)
+        if history is not None:
+            feeds.append((d, history, s.n_history))
     new.refresh_layers()
     # position-major, so that the device tier's LRU order is the age of the tokens
     block_tokens = new.block_tokens

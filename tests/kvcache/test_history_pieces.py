@@ -1,0 +1,47 @@
+"""A layer's history held in pieces (``SEGMENT_TOKENS``) reads, counts and copies like one piece."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lessmem.kernels.attention import SegmentedKV
+from lessmem.kvcache import KVCache, enable
+from lessmem.kvcache.layer import QuantizedKVLayer
+from lessmem.kvcache.presets import resolve
+from lessmem.models import tiny_random
+
+
+def _run(model, spec, ids):
+    cache = KVCache(model.config, resolve(spec))
+    with torch.inference_mode(), enable(model):
+        out = [model(ids[:, :150], cache=cache, use_cache=True).logits]  # a prefill chunk
+        out += [model(ids[:, t:t + 1], cache=cache, use_cache=True).logits
+                for t in range(150, ids.shape[1])]
+    return cache, torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("spec", ["best-4:window=16", "int8:window=16"])
+def test_history_in_pieces_reads_like_one_piece(monkeypatch, spec):
+    torch.manual_seed(0)
+    model = tiny_random("llama")
+    ids = torch.randint(1, model.config.vocab_size, (1, 420))
+    monkeypatch.setattr(QuantizedKVLayer, "segment_tokens", None)
+    whole, ref = _run(model, spec, ids)
+    B = whole.kv_config.block_size
+    monkeypatch.setattr(QuantizedKVLayer, "segment_tokens", 2 * B)
+    cache, got = _run(model, spec, ids)
+    layer, one = cache.layers[0], whole.layers[0]
+    assert len(one._pieces) == 1 and len(layer._pieces) >= 3
+    assert all(layer._n_tokens(p) == 2 * B for p in layer._pieces[:-1])
+    assert isinstance(layer.read_history(), SegmentedKV) and layer.read_history() is layer.read_history()
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)  # the kernels walk the pieces in place
+    assert cache.memory() == whole.memory()  # the same bytes, counted from the pieces
+    for name, t in one.history.items():
+        assert torch.equal(layer.history[name], t)
+    for a, b in zip(one.blocks(), layer.blocks(), strict=True):
+        assert a.start == b.start and all(torch.equal(t, b.tensors_[n]) for n, t in a.tensors_.items())
+    layer.batch_repeat_interleave(2)  # batch operations map every piece
+    assert len(layer._pieces) >= 3 and layer.history["k_codes"].shape[0] == 2
+    layer.history = one.history  # set whole: split into pieces again
+    assert len(layer._pieces) >= 3 and torch.equal(layer.history["v_codes"], one.history["v_codes"])
