@@ -9,7 +9,8 @@ the shared prefix is a new page of its own (copy-on-write is free: pages are
 immutable). A page is on the device (its tensors held) or in a lower tier (``where``,
 under ``key``); attention reads device pages in place, as a
 :class:`~lessmem.kernels.attention.SegmentedKV` (no concatenation of the history per
-step, unlike the contiguous history of :class:`~lessmem.kvcache.layer.QuantizedKVLayer`).
+block; :class:`~lessmem.kvcache.layer.QuantizedKVLayer` concatenates within its last
+2048-token piece).
 
 :class:`PagedKVCache` is a :class:`~lessmem.kvcache.KVCache` whose quantized layers are
 :class:`PagedKVLayer`. Its sinks and window stay with the layer, on the device, in
