@@ -152,12 +152,8 @@ def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
     decode_peak = _status_mib("VmHWM")
     tokenizer_mib = None
     if not spec.get("no_tokenizer"):  # what lessmem.load(path) would add by building the tokenizer
-        from transformers import AutoTokenizer
-
-        from lessmem.models import _file_meta_dir
-
         before = _status_mib("VmRSS")
-        tok = AutoTokenizer.from_pretrained(str(_file_meta_dir(Path(spec["gguf"]))))
+        tok = lessmem.load_tokenizer(spec["gguf"])  # from the metadata the load kept
         tokenizer_mib = _status_mib("VmRSS") - before
         del tok
     if spec["kv"] == "DynamicCache":

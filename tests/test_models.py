@@ -63,6 +63,12 @@ def test_load_hf_directory(tmp_path):
         assert torch.allclose(m(ids).logits, m2(ids).logits)
     m3, none = load(str(tmp_path), tokenizer=False)
     assert none is None
+    assert models.load_tokenizer(tmp_path)("abc")["input_ids"] == tok("abc")["input_ids"]
+    with pytest.raises(ValueError, match="unknown model"):
+        models.load_tokenizer(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="could not read a tokenizer"):
+        models.load_tokenizer(tmp_path / "empty")
     with torch.inference_mode():
         assert torch.equal(m2(ids).logits, m3(ids).logits)
 

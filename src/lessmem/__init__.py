@@ -44,6 +44,7 @@ _LAZY = {
     "quantize": "lessmem.formats",
     # models
     "load": "lessmem.models",
+    "load_tokenizer": "lessmem.models",
     "lean_decode": "lessmem.decode",
     # kv cache
     "KVCache": "lessmem.kvcache",

@@ -218,8 +218,8 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     step (``lessmem.lean_decode``: the same logits bit for bit, without transformers'
     per-module overhead; ``lessmem.decode.lean_disable(model)`` turns it off).
 
-    ``tokenizer=False`` returns ``(model, None)`` without building the tokenizer, for
-    callers that feed token ids and read token ids (a serving backend behind its own
+    ``tokenizer=False`` returns ``(model, None)`` without building the tokenizer
+    (``load_tokenizer`` builds it later), for callers that feed token ids and read token ids (a serving backend behind its own
     tokenizer, a benchmark; vLLM's ``skip_tokenizer_init``): the HF tokenizer of the
     built-in model adds 40–43 MiB of RSS (``tokenizer_rss_mib`` in
     ``benchmarks/results/e2e.json``), 40% of its weights file. (Where the source
@@ -275,6 +275,48 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
         lean_decode(model)
     trim_heap()  # what parsing the file and building the model freed goes back to the OS
     return model, tok
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The tokenizer ``load(name_or_path)`` returns, built on its own: for a caller that
+    loaded the model with ``tokenizer=False`` and needs text after all. A GGUF file (or the
+    built-in model) whose metadata a load has kept is read from that copy, not parsed again;
+    a quantized checkpoint gives the tokenizer saved beside it, or None when none was.
+    Raises ``ValueError`` naming the source when there is no tokenizer to read.
+
+    Example:
+        >>> model, _ = load("smollm2-135m", tokenizer=False)   # doctest: +SKIP
+        >>> load_tokenizer("smollm2-135m")("Hi").input_ids      # doctest: +SKIP
+        [26843]
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"model must be an alias, a path or a hub id, got {name_or_path!r}")
+    from transformers import AutoTokenizer
+
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    meta = None
+    if name in BUILTIN:
+        path, meta = builtin_gguf(name), _meta_dir(BUILTIN[name])
+    elif path.is_file() and path.suffix == ".gguf":
+        meta = _file_meta_dir(path)
+    try:
+        if meta is not None and (meta / "complete.json").exists():
+            return AutoTokenizer.from_pretrained(str(meta))
+        if path.is_file() and path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if path.is_dir() and (path / QUANT_MARKER).exists():
+            has = (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists()
+            return AutoTokenizer.from_pretrained(str(path)) if has else None
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if not path.exists() and _looks_like_hub_id(name):
+            return AutoTokenizer.from_pretrained(name, local_files_only=not _hub_reachable())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"could not read a tokenizer from {name!r}: {first}") from exc
+    raise ValueError(f"unknown model {name!r}: not a built-in alias ({', '.join(BUILTIN)}), "
+                     "not an existing .gguf file or directory, not a hub id (org/name)")
 
 
 def builtin_gguf(alias: str = DEFAULT_MODEL) -> Path:

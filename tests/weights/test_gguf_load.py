@@ -229,3 +229,7 @@ def test_gguf_path_keeps_its_config_and_tokenizer(tmp_path, monkeypatch):
     assert parses == [True, False, True, True]
     lessmem.load(str(path))
     assert parses == [True, False, True, True, False]
+    # the tokenizer alone, later: from the kept metadata, not a parse of the file
+    later = lessmem.load_tokenizer(str(path))
+    assert parses == [True, False, True, True, False, False]
+    assert later("hello world").input_ids == outs[0][1]
