@@ -45,3 +45,30 @@ def test_history_in_pieces_reads_like_one_piece(monkeypatch, spec):
     assert len(layer._pieces) >= 3 and layer.history["k_codes"].shape[0] == 2
     layer.history = one.history  # set whole: split into pieces again
     assert len(layer._pieces) >= 3 and torch.equal(layer.history["v_codes"], one.history["v_codes"])
+
+
+def test_window_is_written_in_place_without_touching_earlier_views():
+    """The window grows inside a buffer: a step writes past its end, so what an earlier view
+    (a step's LayerView, a serving snapshot) holds never changes, even after a crop."""
+    torch.manual_seed(0)
+    model = tiny_random("llama")
+    cache = KVCache(model.config, resolve("best-4:window=16"))
+    ids = torch.randint(1, model.config.vocab_size, (1, 40))
+    with torch.inference_mode(), enable(model):
+        model(ids[:, :20], cache=cache, use_cache=True)
+        layer = cache.layers[0]
+        held = [t.clone() for t in layer.window]
+        before = layer.window  # what a snapshot keeps
+        model(ids[:, 20:21], cache=cache, use_cache=True)
+        assert layer.window[0].data_ptr() == before[0].data_ptr()  # the same buffer, one more token
+        assert layer.window[0].shape[2] == before[0].shape[2] + 1
+        assert all(torch.equal(a, b) for a, b in zip(before, held, strict=True))
+        cache.crop(-3)  # shorter: the next write goes to a new buffer, the old prefix stays
+        model(ids[:, 21:30], cache=cache, use_cache=True)
+        assert all(torch.equal(a, b) for a, b in zip(before, held, strict=True))
+        assert layer.window[0].data_ptr() != before[0].data_ptr()
+    ref = KVCache(model.config, resolve("best-4:window=16"))
+    with torch.inference_mode():  # the same tokens fed in one go hold the same window
+        x = torch.cat([ids[:, :18], ids[:, 21:30]], 1)
+        model(x, cache=ref, use_cache=True)
+    assert torch.equal(ref.layers[0].window[0], layer.window[0])

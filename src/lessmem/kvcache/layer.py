@@ -45,6 +45,7 @@ from .view import LayerView, _rot_matrix
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (module doc)
+WINDOW_SPARE = 16  # a window buffer's room beyond window + block_size tokens
 
 
 def crop_to_length(tokens_to_remove, length: int) -> int:
@@ -111,6 +112,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.window: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pieces: list[dict[str, torch.Tensor]] = []  # the history: full pieces, then the last
         self._read = None  # the history as attention reads it (read_history's memo)
+        self._wbuf = self._wview = None  # the window's buffer and the views of it last set
         self.n_history = 0
         self.length = 0
         self.is_initialized = False
@@ -168,12 +170,12 @@ class QuantizedKVLayer(CacheLayerMixin):
     # ---- append-only storage ------------------------------------------------------
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[2]
-        k, v = k.to(self.store_dtype), v.to(self.store_dtype)
         take = max(0, min(n, self.config.sinks - self.length))
         if take:
-            self.sinks = (torch.cat([self.sinks[0], k[:, :, :take]], 2), torch.cat([self.sinks[1], v[:, :, :take]], 2))
+            ks, vs = k[:, :, :take].to(self.store_dtype), v[:, :, :take].to(self.store_dtype)
+            self.sinks = (torch.cat([self.sinks[0], ks], 2), torch.cat([self.sinks[1], vs], 2))
         if take < n:
-            self.window = (torch.cat([self.window[0], k[:, :, take:]], 2), torch.cat([self.window[1], v[:, :, take:]], 2))
+            self._window_append(k[:, :, take:], v[:, :, take:])
         self.length += n
         B = self.config.block_size
         nblk = (self.window[0].shape[2] - self.config.window) // B
@@ -181,7 +183,31 @@ class QuantizedKVLayer(CacheLayerMixin):
             t = nblk * B
             wk, wv = self.window
             self._append_history(self._encode(wk[:, :, :t], wv[:, :, :t]))
-            self.window = (wk[:, :, t:].clone(), wv[:, :, t:].clone())
+            self._window_append(wk[:, :, t:], wv[:, :, t:], fresh=True)
+
+    def _window_append(self, k: torch.Tensor, v: torch.Tensor, fresh: bool = False) -> None:
+        """Write ``k``, ``v`` after the window (``fresh``: as the whole window, in a new buffer).
+
+        The window is a prefix of a buffer with room for ``WINDOW_SPARE`` more tokens than a
+        full window and a block; a decode step writes its token into the room (a cat of the
+        whole window cost ~17 µs a layer, a write ~3). Only positions past the window's end
+        are written, so a view taken earlier (a step's ``LayerView``, a serving snapshot)
+        keeps its tokens; a window set from outside (crop, batch operations, a restore) is
+        copied into a new buffer first, and so is the rest after a flush."""
+        w, n = self.window, k.shape[2]
+        m = 0 if fresh else w[0].shape[2]
+        buf = self._wbuf
+        if fresh or buf is None or w is not self._wview or m + n > buf[0].shape[2]:
+            cap = max(self.config.window + self.config.block_size + WINDOW_SPARE, m + n)
+            shape = (k.shape[0], k.shape[1], cap, k.shape[3])
+            buf = tuple(torch.empty(shape, dtype=self.store_dtype, device=k.device) for _ in range(2))
+            if m:
+                buf[0][:, :, :m].copy_(w[0])
+                buf[1][:, :, :m].copy_(w[1])
+            self._wbuf = buf
+        buf[0][:, :, m:m + n].copy_(k)
+        buf[1][:, :, m:m + n].copy_(v)
+        self.window = self._wview = (buf[0][:, :, :m + n], buf[1][:, :, :m + n])
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         kf, vf = k.float(), v.float()

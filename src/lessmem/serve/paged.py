@@ -268,8 +268,9 @@ class PagedKVLayer(QuantizedKVLayer):
 
     def snapshot(self) -> dict:
         """The layer's state now; its pages get one more reference (release with
-        :func:`release_snapshot`). Every tensor in it is immutable (the layer replaces,
-        never writes into, what it holds)."""
+        :func:`release_snapshot`). What it holds never changes: the layer replaces its
+        tensors, and writes only past the end of its window (into the window's spare room;
+        after a crop or a restore it copies the window into a new buffer first)."""
         state = {k: getattr(self, k, None) for k in self._STATE}
         state["pages"] = [self.pool.ref(p) for p in self.pages]
         return state
