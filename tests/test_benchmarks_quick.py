@@ -199,7 +199,9 @@ def check_weights_quality(data: dict, fresh: bool) -> None:
             assert 0 <= rel <= 1e-3, f"{w}: window-0 ppl differs from the KV evaluator's by {rel}"
         rows = need(res, "rows", list, w)
         assert len(rows) >= 2 and rows[0].get("row") == "fp32 reference", [r.get("row") for r in rows]
-        assert rows[0]["delta_ppl_pct"] == 0.0 and rows[0]["top1"] == 1.0 and rows[0]["kld"] == 0.0
+        # the reference scored against its own logits, recomputed: BLAS may round a few
+        # results differently from one allocation to the next (seen: KLD 2.4e-14), never more
+        assert rows[0]["delta_ppl_pct"] == 0.0 and rows[0]["top1"] == 1.0 and 0.0 <= rows[0]["kld"] < 1e-9
         for j, r in enumerate(rows):
             rw = f"{w}.rows[{j}] ({r.get('row')})"
             need(r, "row", str, rw)
