@@ -219,8 +219,9 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     per-module overhead; ``lessmem.decode.lean_disable(model)`` turns it off).
 
     ``tokenizer=False`` returns ``(model, None)`` without building the tokenizer
-    (``load_tokenizer`` builds it later), for callers that feed token ids and read token ids (a serving backend behind its own
-    tokenizer, a benchmark; vLLM's ``skip_tokenizer_init``): the HF tokenizer of the
+    (``load_tokenizer`` builds it later), for callers that feed token ids and read token
+    ids (a serving backend behind its own tokenizer, a benchmark; vLLM's
+    ``skip_tokenizer_init``): the HF tokenizer of the
     built-in model adds 40–43 MiB of RSS (``tokenizer_rss_mib`` in
     ``benchmarks/results/e2e.json``), 40% of its weights file. (Where the source
     only comes with one — a first load that caches a GGUF file's metadata, a quantized
@@ -259,10 +260,7 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
             # instead of transformers' minute of retries)
             model, tok = _load_hf(name, dtype, local=not _hub_reachable(), tokenizer=tokenizer)
         else:
-            raise ValueError(
-                f"unknown model {name!r}: not a built-in alias ({', '.join(BUILTIN)}), "
-                "not an existing .gguf file or directory, not a hub id (org/name)"
-            )
+            raise _unknown_model(name)
     model.eval()
     if not tokenizer:
         tok = None
@@ -295,14 +293,13 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 
     name = os.fspath(name_or_path)
     path = Path(name).expanduser()
-    meta = None
-    if name in BUILTIN:
-        path, meta = builtin_gguf(name), _meta_dir(BUILTIN[name])
-    elif path.is_file() and path.suffix == ".gguf":
-        meta = _file_meta_dir(path)
+    meta = _meta_dir(BUILTIN[name]) if name in BUILTIN else (
+        _file_meta_dir(path) if path.is_file() and path.suffix == ".gguf" else None)
     try:
         if meta is not None and (meta / "complete.json").exists():
             return AutoTokenizer.from_pretrained(str(meta))
+        if name in BUILTIN:  # (only now: finding the file checks its sha256, 98 MB read)
+            path = builtin_gguf(name)
         if path.is_file() and path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if path.is_dir() and (path / QUANT_MARKER).exists():
@@ -313,10 +310,20 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
         if not path.exists() and _looks_like_hub_id(name):
             return AutoTokenizer.from_pretrained(name, local_files_only=not _hub_reachable())
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc)
         raise ValueError(f"could not read a tokenizer from {name!r}: {first}") from exc
-    raise ValueError(f"unknown model {name!r}: not a built-in alias ({', '.join(BUILTIN)}), "
-                     "not an existing .gguf file or directory, not a hub id (org/name)")
+    raise _unknown_model(name)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _unknown_model(name: str) -> ValueError:
+    return ValueError(f"unknown model {name!r}: not a built-in alias ({', '.join(BUILTIN)}), "
+                      "not an existing .gguf file or directory, not a hub id (org/name)")
 
 
 def builtin_gguf(alias: str = DEFAULT_MODEL) -> Path:
@@ -515,7 +522,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", meta_cach
         tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=dtype, **kw)
     except (ValueError, KeyError, IndexError, TypeError, struct.error) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc)
         raise ValueError(f"could not load model {str(path)!r} as a GGUF file: "
                          f"{type(exc).__name__}: {first}") from exc
     return model, tok
@@ -547,7 +554,7 @@ def _load_hf(name: str, dtype: torch.dtype, local: bool, tokenizer: bool = True)
         where = "directory" if Path(name).is_dir() else (
             "hub id (no Hugging Face hub is reachable from here and it is not in the local HF cache)"
             if local else "hub id")
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc)
         raise ValueError(f"could not load model {name!r} as a {where}: {first}") from exc
     return model, tok
 

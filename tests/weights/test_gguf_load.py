@@ -105,6 +105,8 @@ def test_llama_qk_rows_stay_mapped_and_outputs_come_in_transformers_order(tmp_pa
     xs = torch.randn(200, q.in_features, generator=torch.Generator().manual_seed(2))
     assert torch.allclose(plain(xs), q(xs), atol=1e-5)  # prefill rows: decoded + BLAS
     assert torch.equal(q.rows_in_output_order(), plain.qweight)
+    q.load_state_dict(plain.state_dict())  # loaded back in its own row order: the gather still holds
+    assert q.out_perm is not None and torch.equal(q(x), plain(x))
     with pytest.raises(ValueError, match="permutation of range"):
         GGUFLinear(q.in_features, q.out_features, "q8_0", False, out_perm=torch.zeros(q.out_features, dtype=torch.long))
 

@@ -11,9 +11,9 @@ The history of a layer (codes, scales, zero points of keys and values, tokens al
 is held in pieces of ``SEGMENT_TOKENS`` tokens on the CPU: blocks are appended to the last
 piece by concatenation, and a piece that is full is never copied again. Attention reads
 the pieces in place (a :class:`~lessmem.kernels.attention.SegmentedKV`). One growing
-tensor would be copied whole at every block a layer appends (at 16k tokens of best-4, 3.4 MB
-a layer every 64 decoded tokens; the decode's peak RSS went 265 -> 250 MiB with pieces,
-the speed unchanged). On other devices (and in sliding layers,
+tensor would be copied whole at every block a layer appends, leaving the old copy's pages
+to the allocator (``benchmarks/results/e2e_16k.json``: the decode's RSS over imports fell
+271 -> 250 MiB with this and GGUF q/k rows kept mapped). On other devices (and in sliding layers,
 whose history is bounded) the history is one piece. ``history`` gives it as one dict
 (joined: a copy when there are several pieces); ``blocks()`` returns the immutable
 per-block views.
@@ -189,8 +189,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Write ``k``, ``v`` after the window (``fresh``: as the whole window, in a new buffer).
 
         The window is a prefix of a buffer with room for ``WINDOW_SPARE`` more tokens than a
-        full window and a block; a decode step writes its token into the room (a cat of the
-        whole window cost ~17 µs a layer, a write ~3). Only positions past the window's end
+        full window and a block; a decode step writes its token into the room instead of
+        concatenating the whole window. Only positions past the window's end
         are written, so a view taken earlier (a step's ``LayerView``, a serving snapshot)
         keeps its tokens; a window set from outside (crop, batch operations, a restore) is
         copied into a new buffer first, and so is the rest after a flush."""

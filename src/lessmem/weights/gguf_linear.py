@@ -23,7 +23,8 @@ held beside the file's own pages); with ``out_perm`` the layer keeps the file's 
 they are mapped and gathers its outputs instead (output ``j`` is row ``out_perm[j]``; one
 ``index_select`` of a few hundred floats per decode call). Everything seen from outside is
 in output order: ``weight``, ``dequantized_weight()``, ``state_dict()`` (a checkpoint holds
-the rows reordered, so it loads into a layer without ``out_perm``) and ``rows_in_output_order()``.
+the rows reordered: it loads into a layer without ``out_perm``, or back into this one's order)
+and ``rows_in_output_order()``.
 
 Example:
     >>> import torch
@@ -153,8 +154,13 @@ class GGUFLinear(nn.Module):
             destination[prefix + "qweight"] = self.rows_in_output_order()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if prefix + "qweight" in state_dict:  # rows in output order (as saved), held so
-            self.out_perm = None
+        key = prefix + "qweight"
+        rows = state_dict.get(key)
+        if self.out_perm is not None and rows is not None and rows.shape[:1] == self.out_perm.shape:
+            # saved in output order, held in this layer's own (what out_perm, and the lean
+            # step's gather built from it, keep reading)
+            back = torch.argsort(self.out_perm).to(rows.device)
+            state_dict = {**state_dict, key: rows.index_select(0, back)}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
