@@ -54,7 +54,11 @@ def test_bit_identical_to_transformers(arch, kind):
     ref, _ = _decode(model, _cache(model, kind), lean=False)
     got, handle = _decode(model, _cache(model, kind), lean=True)
     assert handle.steps == len(STEPS)
-    assert torch.equal(got, ref)
+    if kind == "dynamic":  # one_token_attention: the same sums in another order
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    else:
+        assert torch.equal(got, ref)
 
 
 def test_qk_norm_and_biases():
@@ -67,7 +71,17 @@ def test_qk_norm_and_biases():
         assert handle.steps == len(STEPS) and torch.equal(got, ref)
 
 
-def test_gguf_weights_int8_activations():
+@pytest.fixture
+def sdpa_as_transformers(monkeypatch):
+    """DynamicCache rows attend as transformers does (``enable_gqa``), so tests of the
+    projections can ask for bit-identical logits (one_token_attention sums in another order)."""
+    from lessmem import decode
+
+    monkeypatch.setattr(decode, "one_token_attention", lambda q, k, v, scale: torch.nn.functional.
+                        scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1]))
+
+
+def test_gguf_weights_int8_activations(sdpa_as_transformers):
     """GGUF linears through their op, int8 activations on: still bit-identical (a rounding
     difference before an int8 quantizer would show as a large logit difference)."""
     model = tiny_random("llama", hidden_size=64, intermediate_size=128)
@@ -83,7 +97,7 @@ def test_gguf_weights_int8_activations():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_mix_in_one_call_per_projection_group(arch):
+def test_gguf_mix_in_one_call_per_projection_group(arch, sdpa_as_transformers):
     """q/k/v and gate/up as one C++ call each (``gguf_linear_multi``), RMSNorm and the
     rotary embedding in C++: bit-identical with a K-quant mix (v and down in Q6_K), Qwen2's
     q/k/v biases, three rows, both activation paths; without the C++ module the step still
@@ -114,7 +128,7 @@ def test_gguf_mix_in_one_call_per_projection_group(arch):
     assert handle._layers[0].qkv is None and torch.equal(got, ref)
 
 
-def test_batch_rows():
+def test_batch_rows(sdpa_as_transformers):
     model = tiny_random("llama")
     prompt = torch.randint(3, 250, (3, 20), generator=torch.Generator().manual_seed(2))
     ref, _ = _decode(model, DynamicCache(), lean=False, prompt=prompt)
@@ -169,7 +183,7 @@ def test_rebuilds_after_a_module_is_replaced():
     assert handle.steps == 2 * len(STEPS) and torch.equal(got, ref)
 
 
-def test_copies_use_their_own_weights():
+def test_copies_use_their_own_weights(sdpa_as_transformers):
     model = tiny_random("llama")
     handle = lean_decode(model)
     _decode(model, DynamicCache(), lean=False)
@@ -206,6 +220,33 @@ def test_switch_is_idempotent_and_reversible():
     assert "forward" not in model.__dict__ and "_lessmem_lean" not in model.__dict__
 
 
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1), (8, 8)])
+@pytest.mark.parametrize("T", [5, 300, 301, 1300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_attention_equals_sdpa_with_gqa(monkeypatch, heads, T, dtype):
+    """The query heads of a KV head as its rows, and a long history cut into pieces merged
+    by their log-sum-exp (pieces of >= 128 tokens here), read in place from the first T
+    tokens of a longer buffer: equal to SDPA with ``enable_gqa`` up to rounding."""
+    from lessmem import decode
+
+    monkeypatch.setattr(decode, "SPLIT_PIECE_TOKENS", 128)
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(T)
+    kb, vb = (torch.randn(1, Hkv, T + 9, 64, generator=g).to(dtype) for _ in range(2))
+    k, v = kb[:, :, :T], vb[:, :, :T]
+    for B in (1, 2):
+        q = torch.randn(B, Hq, 1, 64, generator=g).to(dtype)
+        kk, vv = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), vv.float(), scale=0.125,
+                                                               enable_gqa=True)
+        got = decode.one_token_attention(q, kk, vv, 0.125)
+        assert got.dtype == dtype and got.shape == q.shape
+        tol = 2e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), ref, rtol=0, atol=tol)
+    if T >= 256 and Hkv < 8:  # the split path was taken (its pieces are a strided view)
+        assert decode._split_pieces(Hkv, T) > 1
+
+
 def test_dynamic_cache_grows_in_place_and_stays_a_dynamic_cache():
     """The lean step appends to a DynamicCache layer in a buffer with room to grow; whatever
     transformers does to the layer in between (its own update, crop) is adopted anew."""
@@ -224,7 +265,7 @@ def test_dynamic_cache_grows_in_place_and_stays_a_dynamic_cache():
                 handle.disable()
                 ref = model(torch.tensor([[t]]), cache=ref_cache).logits
                 handle = lean_decode(model)
-                assert torch.equal(got, ref), i
+                torch.testing.assert_close(got, ref, rtol=0, atol=1e-5, msg=str(i))
                 layer = cache.layers[0]
                 assert layer.keys.shape == ref_cache.layers[0].keys.shape
                 assert torch.equal(layer.keys, ref_cache.layers[0].keys)
@@ -250,7 +291,7 @@ def test_rotated_keys_and_values_match_the_dequantized_path(rotate):
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
-def test_sees_int8_activations_switched_after_the_switch():
+def test_sees_int8_activations_switched_after_the_switch(sdpa_as_transformers):
     model = tiny_random("llama", hidden_size=64, intermediate_size=128)
     lessmem.quantize_(model, lessmem.GGUFConfig("Q4_0"))
     from lessmem.weights.gguf_linear import set_int8_activations
