@@ -51,6 +51,25 @@ def test_fused_matches_reference(bits, tg, dg, kind, use_cpp):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("Tq", [1, 2, 5])
+@pytest.mark.parametrize("tg", [32, 64])
+def test_best4_layout_matches_reference(Tq, tg):
+    """Keys 4-bit per channel (folded), values 4-bit per token (folded), 64 channels: the
+    layout the AVX-512 path reads in registers; 3, 6 and 15 query rows per KV head (row
+    blocks of four and their remainders), segments of 128 tokens, a masked row."""
+    g = torch.Generator().manual_seed(Tq * 10 + tg)
+    B, Hkv, Hq, T, D = 1, 3, 9, 384, 64
+    kv = QuantKV(_side(g, B, Hkv, T, D, 4, tg, 1, "zp"), _side(g, B, Hkv, T, D, 4, 1, D, "zp"))
+    q = torch.randn(B, Hq, Tq, D, generator=g) * 0.1
+    mask = torch.zeros(B, Tq, T)
+    mask[0, -1, 200:] = float("-inf")
+    ref, ref_lse = attention_reference(q, kv, mask)
+    for hist in (kv, _segments(kv, [0, 128, 256, 384], 128)):
+        out, lse = quantized_attention(q, hist, mask, use_cpp=True)
+        assert (out - ref).abs().max() <= 1e-4 * float(ref.abs().max()) + 1e-6
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_cpp_kernel_builds_here():
     # the CI machines have a compiler; the fallback is still tested above
     assert cpp_available()
