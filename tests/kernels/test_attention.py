@@ -51,15 +51,22 @@ def test_fused_matches_reference(bits, tg, dg, kind, use_cpp):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
 
+FOLDED = {  # (keys, values) as (bits, tg, dg, kind): the layouts the AVX-512 path reads in registers
+    "best-4": ((4, 64, 1, "zp"), (4, 1, 64, "zp")), "kivi-4": ((4, 32, 1, "zp"), (4, 1, 64, "zp")),
+    "best-2": ((3, 64, 1, "zp"), (2, 1, 64, "zp")), "int8": ((8, 1, 64, "sym"), (8, 1, 64, "sym")),
+    "int4": ((4, 1, 64, "zp"), (4, 1, 64, "zp"))}
+
+
 @pytest.mark.parametrize("Tq", [1, 2, 5])
-@pytest.mark.parametrize("tg", [32, 64])
-def test_best4_layout_matches_reference(Tq, tg):
-    """Keys 4-bit per channel (folded), values 4-bit per token (folded), 64 channels: the
-    layout the AVX-512 path reads in registers; 3, 6 and 15 query rows per KV head (row
-    blocks of four and their remainders), segments of 128 tokens, a masked row."""
-    g = torch.Generator().manual_seed(Tq * 10 + tg)
+@pytest.mark.parametrize("layout", list(FOLDED))
+def test_folded_layouts_match_reference(Tq, layout):
+    """Keys folded per channel or per token, values folded per token, 64 channels: 3, 6 and
+    15 query rows per KV head (row blocks of four and their remainders), segments of 128
+    tokens, a masked row."""
+    g = torch.Generator().manual_seed(Tq * 10 + len(layout))
     B, Hkv, Hq, T, D = 1, 3, 9, 384, 64
-    kv = QuantKV(_side(g, B, Hkv, T, D, 4, tg, 1, "zp"), _side(g, B, Hkv, T, D, 4, 1, D, "zp"))
+    (kb, ktg, kdg, kk), (vb, vtg, vdg, vk) = FOLDED[layout]
+    kv = QuantKV(_side(g, B, Hkv, T, D, kb, ktg, kdg, kk), _side(g, B, Hkv, T, D, vb, vtg, vdg, vk))
     q = torch.randn(B, Hq, Tq, D, generator=g) * 0.1
     mask = torch.zeros(B, Tq, T)
     mask[0, -1, 200:] = float("-inf")

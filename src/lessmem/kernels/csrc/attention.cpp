@@ -182,16 +182,43 @@ inline float scale_weights(const float* __restrict__ p, const float* __restrict_
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define LM_AVX512 1
-// The 64 4-bit codes of a split row (byte j: channel j in its low nibble, j + 32 in its high
-// one) as four vectors of 16 floats: channels 0-15, 16-31, 32-47, 48-63.
-inline void split4_codes64(const uint8_t* p, __m512* c) {
-  const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  const __m512i m15 = _mm512_set1_epi32(15);
-  c[0] = _mm512_cvtepi32_ps(_mm512_and_si512(a, m15));
-  c[1] = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));
-  c[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
-  c[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+// Row layouts of 64 channels the AVX-512 path unpacks in registers (formats/kvlayout.py):
+// split rows of 8, 4 or 2 bits (byte j: channels j, j + 64/p, ... for p codes a byte) and
+// 3-bit streams (8 codes in 3 bytes, little-endian).
+enum RowKind { ROW_NONE = 0, ROW_SPLIT8, ROW_SPLIT4, ROW_SPLIT2, ROW_STREAM3 };
+
+// A side's 64 codes as four vectors of 16 floats: channels 0-15, 16-31, 32-47, 48-63.
+template <int L>
+inline void codes64(const uint8_t* p, __m512* c) {
+  if (L == ROW_SPLIT8) {
+    for (int k = 0; k < 4; ++k)
+      c[k] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k))));
+  } else if (L == ROW_SPLIT4) {  // byte j: channel j (low nibble), j + 32 (high)
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    const __m512i m15 = _mm512_set1_epi32(15);
+    c[0] = _mm512_cvtepi32_ps(_mm512_and_si512(a, m15));
+    c[1] = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));
+    c[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
+    c[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  } else if (L == ROW_SPLIT2) {  // byte j: channels j, j + 16, j + 32, j + 48
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i m3 = _mm512_set1_epi32(3);
+    c[0] = _mm512_cvtepi32_ps(_mm512_and_si512(a, m3));
+    c[1] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(a, 2), m3));
+    c[2] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(a, 4), m3));
+    c[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 6));
+  } else {  // ROW_STREAM3: 16 codes in 6 bytes; lanes 0-7 from bits 0-23, 8-15 from 24-47
+    const __m512i sh = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
+    const __m512i m7 = _mm512_set1_epi32(7);
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* b = p + 6 * k;
+      const int lo = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
+      const int hi = (int)((unsigned)b[3] | ((unsigned)b[4] << 8) | ((unsigned)b[5] << 16));
+      const __m512i w = _mm512_mask_set1_epi32(_mm512_set1_epi32(lo), (__mmask16)0xFF00, hi);
+      c[k] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), m7));
+    }
+  }
 }
 
 // Lane j of the result = the sum of v[j]'s 16 lanes (a transposing tree of adds: 45
@@ -207,12 +234,11 @@ inline __m512 hsum16x16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
-// Folded 4-bit split keys of 64 channels, R query rows: sc[r·ld + i] = q[r]·c_i for the n
-// code rows c_i (rb bytes apart), unpacked into registers and used by every row at once
-// (no float copy of the keys in memory).
-template <int R>
-inline void scores_split4(const float* const* q, const uint8_t* codes, int64_t rb, int64_t n, float* sc,
-                          int64_t ld) {
+// Folded keys of 64 channels, R query rows: sc[r·ld + i] = q[r]·c_i for the n code rows c_i
+// (rb bytes apart), unpacked into registers and used by every row at once (no float copy of
+// the keys in memory).
+template <int L, int R>
+inline void scores_fold(const float* const* q, const uint8_t* codes, int64_t rb, int64_t n, float* sc, int64_t ld) {
   __m512 qv[R][4];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < 4; ++k) qv[r][k] = _mm512_loadu_ps(q[r] + 16 * k);
@@ -222,7 +248,7 @@ inline void scores_split4(const float* const* q, const uint8_t* codes, int64_t r
     for (int64_t i = 0; i < 16; ++i) {
       if (i >= m) { for (int r = 0; r < R; ++r) v[r][i] = _mm512_setzero_ps(); continue; }
       __m512 c[4];
-      split4_codes64(codes + (i0 + i) * rb, c);
+      codes64<L>(codes + (i0 + i) * rb, c);
       for (int r = 0; r < R; ++r)
         v[r][i] = _mm512_fmadd_ps(qv[r][3], c[3], _mm512_fmadd_ps(qv[r][2], c[2],
                   _mm512_fmadd_ps(qv[r][1], c[1], _mm512_mul_ps(qv[r][0], c[0]))));
@@ -232,16 +258,16 @@ inline void scores_split4(const float* const* q, const uint8_t* codes, int64_t r
   }
 }
 
-// Folded 4-bit split values of 64 channels, R rows: acc[r·64 : (r+1)·64] += Σ_i w[r·ld + i]·c_i,
-// the accumulators in registers across the n code rows.
-template <int R>
-inline void pv_split4(float* acc, const float* w, int64_t ld, const uint8_t* codes, int64_t rb, int64_t n) {
+// Folded values of 64 channels, R rows: acc[r·64 : (r+1)·64] += Σ_i w[r·ld + i]·c_i, the
+// accumulators in registers across the n code rows.
+template <int L, int R>
+inline void pv_fold(float* acc, const float* w, int64_t ld, const uint8_t* codes, int64_t rb, int64_t n) {
   __m512 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < 4; ++k) a[r][k] = _mm512_loadu_ps(acc + r * 64 + 16 * k);
   for (int64_t i = 0; i < n; ++i) {
     __m512 c[4];
-    split4_codes64(codes + i * rb, c);
+    codes64<L>(codes + i * rb, c);
     for (int r = 0; r < R; ++r) {
       const __m512 b = _mm512_set1_ps(w[r * ld + i]);
       for (int k = 0; k < 4; ++k) a[r][k] = _mm512_fmadd_ps(b, c[k], a[r][k]);
@@ -252,28 +278,47 @@ inline void pv_split4(float* acc, const float* w, int64_t ld, const uint8_t* cod
 }
 
 // The two above over any number of rows, four at a time.
-inline void scores_split4_rows(const float* const* q, int64_t rows, const uint8_t* codes, int64_t rb, int64_t n,
-                               float* sc, int64_t ld) {
+template <int L>
+void scores_fold_rows(const float* const* q, int64_t rows, const uint8_t* codes, int64_t rb, int64_t n, float* sc,
+                      int64_t ld) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     const float* const* qr = q + r0; float* s = sc + r0 * ld;
     switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: scores_split4<1>(qr, codes, rb, n, s, ld); break;
-      case 2: scores_split4<2>(qr, codes, rb, n, s, ld); break;
-      case 3: scores_split4<3>(qr, codes, rb, n, s, ld); break;
-      default: scores_split4<4>(qr, codes, rb, n, s, ld); break;
+      case 1: scores_fold<L, 1>(qr, codes, rb, n, s, ld); break;
+      case 2: scores_fold<L, 2>(qr, codes, rb, n, s, ld); break;
+      case 3: scores_fold<L, 3>(qr, codes, rb, n, s, ld); break;
+      default: scores_fold<L, 4>(qr, codes, rb, n, s, ld); break;
     }
   }
 }
-inline void pv_split4_rows(float* acc, int64_t rows, const float* w, int64_t ld, const uint8_t* codes, int64_t rb,
-                           int64_t n) {
+template <int L>
+void pv_fold_rows(float* acc, int64_t rows, const float* w, int64_t ld, const uint8_t* codes, int64_t rb, int64_t n) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     float* a = acc + r0 * 64; const float* wr = w + r0 * ld;
     switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: pv_split4<1>(a, wr, ld, codes, rb, n); break;
-      case 2: pv_split4<2>(a, wr, ld, codes, rb, n); break;
-      case 3: pv_split4<3>(a, wr, ld, codes, rb, n); break;
-      default: pv_split4<4>(a, wr, ld, codes, rb, n); break;
+      case 1: pv_fold<L, 1>(a, wr, ld, codes, rb, n); break;
+      case 2: pv_fold<L, 2>(a, wr, ld, codes, rb, n); break;
+      case 3: pv_fold<L, 3>(a, wr, ld, codes, rb, n); break;
+      default: pv_fold<L, 4>(a, wr, ld, codes, rb, n); break;
     }
+  }
+}
+inline void scores_fold_any(int kind, const float* const* q, int64_t rows, const uint8_t* codes, int64_t rb, int64_t n,
+                            float* sc, int64_t ld) {
+  switch (kind) {
+    case ROW_SPLIT8: scores_fold_rows<ROW_SPLIT8>(q, rows, codes, rb, n, sc, ld); break;
+    case ROW_SPLIT4: scores_fold_rows<ROW_SPLIT4>(q, rows, codes, rb, n, sc, ld); break;
+    case ROW_SPLIT2: scores_fold_rows<ROW_SPLIT2>(q, rows, codes, rb, n, sc, ld); break;
+    default: scores_fold_rows<ROW_STREAM3>(q, rows, codes, rb, n, sc, ld); break;
+  }
+}
+inline void pv_fold_any(int kind, float* acc, int64_t rows, const float* w, int64_t ld, const uint8_t* codes,
+                        int64_t rb, int64_t n) {
+  switch (kind) {
+    case ROW_SPLIT8: pv_fold_rows<ROW_SPLIT8>(acc, rows, w, ld, codes, rb, n); break;
+    case ROW_SPLIT4: pv_fold_rows<ROW_SPLIT4>(acc, rows, w, ld, codes, rb, n); break;
+    case ROW_SPLIT2: pv_fold_rows<ROW_SPLIT2>(acc, rows, w, ld, codes, rb, n); break;
+    default: pv_fold_rows<ROW_STREAM3>(acc, rows, w, ld, codes, rb, n); break;
   }
 }
 #endif
@@ -538,6 +583,16 @@ struct RowDecoder {
   }
 };
 
+#ifdef LM_AVX512
+// The row layout codes64 reads for a side of D channels, or ROW_NONE (a level table, a mixed row).
+inline int row_kind(const QSide& q, int64_t D) {
+  if (D != 64 || q.lut) return ROW_NONE;
+  if (q.packing == PACK_SPLIT)
+    return q.bits == 8 ? ROW_SPLIT8 : q.bits == 4 ? ROW_SPLIT4 : q.bits == 2 ? ROW_SPLIT2 : ROW_NONE;
+  return q.packing == PACK_STREAM && q.bits == 3 ? ROW_STREAM3 : ROW_NONE;
+}
+#endif
+
 // The format fields of a side (its parts' pointers are set by the caller).
 void set_format(QSide& s, const torch::Tensor& lut, int64_t packing, int64_t bits, int64_t tg, int64_t dg,
                 double zc, int D, int64_t seg, int64_t rb) {
@@ -688,10 +743,11 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     const bool kf = kfold && !fp, vf = vfold && !fp, kft = kfold_tok && !fp;
     const int64_t Dk = kf ? K.dkeep : D;  // key row length in the tile (folded mixed keys: no 0-bit tail)
 #ifdef LM_AVX512
-    // folded 4-bit split keys and values of 64 channels (best-4's layout): unpacked in
-    // registers and used there (scores_split4 / pv_split4), no float rows in between
-    const bool fast4 = kf && vf && D == 64 && Dk == 64 && K.packing == PACK_SPLIT && K.bits == 4 &&
-                       V.packing == PACK_SPLIT && V.bits == 4 && !V.lut;
+    // folded keys and values of 64 channels in a layout codes64 reads (best-4, best-2, int8,
+    // int4, kivi): unpacked in registers and used there (scores_fold / pv_fold), no float
+    // rows in between
+    const int kkind = row_kind(K, D), vkind = row_kind(V, D);
+    const bool fast4 = (kf || kft) && vf && kkind != ROW_NONE && vkind != ROW_NONE;
 #else
     const bool fast4 = false;
 #endif
@@ -715,7 +771,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     float* m = mla.data(); float* l = m + rows; float* zs = l + rows; float* acc = zs + rows;
     std::vector<float> kz(rows), kbuf_s(kf ? 2 * D : 0), wall(fast4 ? rows * TILE : 0);
     std::vector<const float*> qsrow(fast4 ? rows : 0);
-    for (int64_t r = 0; r < (int64_t)qsrow.size(); ++r) qsrow[r] = qs.data() + r * D;
+    for (int64_t r = 0; r < (int64_t)qsrow.size(); ++r) qsrow[r] = kf ? qs.data() + r * D : qrow[r];
     std::fill(m, m + rows, NEG_INF);
     int64_t kgroup = -1;
     for (int64_t ts = t0; ts < t1; ts += TILE) {
@@ -758,7 +814,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         }
       }
 #ifdef LM_AVX512
-      if (fast) scores_split4_rows(qsrow.data(), rows, kd.cb + (ts - kd.s0) * K.rb, K.rb, n, sc.data(), TILE);
+      if (fast) scores_fold_any(kkind, qsrow.data(), rows, kd.cb + (ts - kd.s0) * K.rb, K.rb, n, sc.data(), TILE);
 #endif
       for (int64_t r = 0; r < rows; ++r) {
         const float* __restrict__ qr = kf ? qs.data() + r * D : qrow[r];
@@ -808,7 +864,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       if (fast) {
         for (int64_t r = 0; r < rows; ++r)
           zs[r] += scale_weights(sc.data() + r * TILE, va.data(), vz.data(), wall.data() + r * TILE, n);
-        pv_split4_rows(acc, rows, wall.data(), TILE, vd.cb + (ts - vd.s0) * V.rb, V.rb, n);
+        pv_fold_any(vkind, acc, rows, wall.data(), TILE, vd.cb + (ts - vd.s0) * V.rb, V.rb, n);
         continue;
       }
 #endif
