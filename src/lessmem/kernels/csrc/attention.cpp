@@ -782,6 +782,13 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       if (fast4) {
         kd.seek(ts); vd.seek(ts);
         fast = ts + n <= kd.s1 && ts + n <= vd.s1;
+        // the tile after next, into the caches while this one is computed
+        if (fast && ts + 3 * TILE <= kd.s1 && ts + 3 * TILE <= vd.s1 && ts + 3 * TILE <= t1) {
+          const char* kp = reinterpret_cast<const char*>(kd.cb + (ts + 2 * TILE - kd.s0) * K.rb);
+          const char* vp = reinterpret_cast<const char*>(vd.cb + (ts + 2 * TILE - vd.s0) * V.rb);
+          for (int64_t o = 0; o < TILE * K.rb; o += 64) _mm_prefetch(kp + o, _MM_HINT_T0);
+          for (int64_t o = 0; o < TILE * V.rb; o += 64) _mm_prefetch(vp + o, _MM_HINT_T0);
+        }
       }
       for (int64_t i = 0; i < (fast ? 0 : n); ++i) {
         if (fp) {
