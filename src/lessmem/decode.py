@@ -28,8 +28,11 @@ Which calls take it: ``input_ids`` of one token per row, a ``DynamicCache`` or l
 any), positions that continue the cache, the model in ``eval()`` mode, no hooks on its
 modules. Anything else (prefill, padding, output_attentions, a hook, a module replaced
 after the switch) takes the model's own forward, so the switch never changes what a
-call may do; it is checked on every call (a few tens of µs). Logits equal transformers'
-up to float rounding (tested against it on every supported architecture).
+call may do; it is checked on every call (a few tens of µs). With a lessmem cache the
+logits are transformers' bit for bit; with a ``DynamicCache`` the attention
+(``one_token_attention``) sums in another order, so they are equal up to float rounding
+(tested on every supported architecture; int8 activations can turn a rounding difference
+into a different int8 code, and so a larger logit difference).
 
 Supported architectures (``ARCHS``): Llama, Mistral, Qwen2 and Qwen3 (QK-norm) without
 sliding-window layers; ``why_not(model)`` says why another is refused.

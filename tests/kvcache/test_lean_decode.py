@@ -245,6 +245,12 @@ def test_one_token_attention_equals_sdpa_with_gqa(monkeypatch, heads, T, dtype):
         torch.testing.assert_close(got.float(), ref, rtol=0, atol=tol)
     if T >= 256 and Hkv < 8:  # the split path was taken (its pieces are a strided view)
         assert decode._split_pieces(Hkv, T) > 1
+    # heads interleaved in memory ([1, T, Hkv, D] transposed): the pieces' strides follow
+    kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    q = torch.randn(1, Hq, 1, 64, generator=g).to(dtype)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(decode.one_token_attention(q, kt, vt, 0.125).float(), ref, rtol=0, atol=tol)
 
 
 def test_dynamic_cache_grows_in_place_and_stays_a_dynamic_cache():
