@@ -71,10 +71,15 @@ def test_folded_layouts_match_reference(Tq, layout):
     mask = torch.zeros(B, Tq, T)
     mask[0, -1, 200:] = float("-inf")
     ref, ref_lse = attention_reference(q, kv, mask)
+    outs = []
     for hist in (kv, _segments(kv, [0, 128, 256, 384], 128)):
         out, lse = quantized_attention(q, hist, mask, use_cpp=True)
         assert (out - ref).abs().max() <= 1e-4 * float(ref.abs().max()) + 1e-6
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+        outs.append(out)
+    if ktg == 1:  # 16-token segments: tiles of 32 cross them, and compute as the joined history
+        outs.append(quantized_attention(q, _segments(kv, list(range(0, T + 1, 16)), 16), mask, use_cpp=True)[0])
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])  # segments change nothing, bit for bit
 
 
 def test_cpp_kernel_builds_here():

@@ -778,18 +778,18 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       const int64_t n = std::min<int64_t>(TILE, t1 - ts);
       float* __restrict__ kb = kbuf.data();  // the tile's keys as float rows (codes when folded)
       float* __restrict__ vb = vbuf.data();
-      bool fast = false;  // this tile in one segment of each side: the fast4 path
-      if (fast4) {
+      const bool fast = fast4;  // the whole item takes it: a segmented history computes as a joined one
+#ifdef LM_AVX512
+      if (fast) {  // the tile after next, into the caches while this one is computed
         kd.seek(ts); vd.seek(ts);
-        fast = ts + n <= kd.s1 && ts + n <= vd.s1;
-        // the tile after next, into the caches while this one is computed
-        if (fast && ts + 3 * TILE <= kd.s1 && ts + 3 * TILE <= vd.s1 && ts + 3 * TILE <= t1) {
+        if (ts + 3 * TILE <= kd.s1 && ts + 3 * TILE <= vd.s1 && ts + 3 * TILE <= t1) {
           const char* kp = reinterpret_cast<const char*>(kd.cb + (ts + 2 * TILE - kd.s0) * K.rb);
           const char* vp = reinterpret_cast<const char*>(vd.cb + (ts + 2 * TILE - vd.s0) * V.rb);
           for (int64_t o = 0; o < TILE * K.rb; o += 64) _mm_prefetch(kp + o, _MM_HINT_T0);
           for (int64_t o = 0; o < TILE * V.rb; o += 64) _mm_prefetch(vp + o, _MM_HINT_T0);
         }
       }
+#endif
       for (int64_t i = 0; i < (fast ? 0 : n); ++i) {
         if (fp) {
           const float* src = F.row(0, bh, ts + i, D, kb + i * D);
@@ -803,6 +803,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       if (kft) kd.token_scales(ts, n, ka.data(), kza.data());
       if (kf && ts / K.tg != kgroup) {  // a new key group: scale the query rows
         kgroup = ts / K.tg;
+        kd.seek(ts);
         const at::Half* s = kd.scale_row(ts); const uint8_t* z = kd.zero_row(ts);
         float* __restrict__ ks = kbuf_s.data(); float* __restrict__ kzv = ks + D;  // per channel
         if (K.dg == 1) {
@@ -821,7 +822,13 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         }
       }
 #ifdef LM_AVX512
-      if (fast) scores_fold_any(kkind, qsrow.data(), rows, kd.cb + (ts - kd.s0) * K.rb, K.rb, n, sc.data(), TILE);
+      // each token's score is computed alone (its own chain and tree), so a tile crossing a
+      // segment boundary is scored run by run with the same result
+      for (int64_t t = ts, e; fast && t < ts + n; t = e) {
+        kd.seek(t);
+        e = std::min(ts + n, kd.s1);
+        scores_fold_any(kkind, qsrow.data(), rows, kd.cb + (t - kd.s0) * K.rb, K.rb, e - t, sc.data() + (t - ts), TILE);
+      }
 #endif
       for (int64_t r = 0; r < rows; ++r) {
         const float* __restrict__ qr = kf ? qs.data() + r * D : qrow[r];
@@ -871,7 +878,11 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       if (fast) {
         for (int64_t r = 0; r < rows; ++r)
           zs[r] += scale_weights(sc.data() + r * TILE, va.data(), vz.data(), wall.data() + r * TILE, n);
-        pv_fold_any(vkind, acc, rows, wall.data(), TILE, vd.cb + (ts - vd.s0) * V.rb, V.rb, n);
+        for (int64_t t = ts, e; t < ts + n; t = e) {  // run by run, in token order as one call would
+          vd.seek(t);
+          e = std::min(ts + n, vd.s1);
+          pv_fold_any(vkind, acc, rows, wall.data() + (t - ts), TILE, vd.cb + (t - vd.s0) * V.rb, V.rb, e - t);
+        }
         continue;
       }
 #endif

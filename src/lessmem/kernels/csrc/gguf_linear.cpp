@@ -336,7 +336,6 @@ struct XRows {
   }
 };
 
-// weight rows [n0, n1) of one weight against every input row: y[m * ldy + n]
 // A decode row's weight rows stream from memory once each: without a hint the cores waited
 // on the loads (the built-in model's projections read ~6 GB/s in a step on a machine that
 // copies at 20+). The row PREFETCH_BYTES ahead is asked for while row n is computed (a hint:
@@ -351,6 +350,7 @@ static inline void prefetch_row(const uint8_t* row, int64_t rb) {
 #endif
 }
 
+// weight rows [n0, n1) of one weight against every input row: y[m * ldy + n]
 template <int T>
 static void fused_rows(const XRows& X, const uint8_t* w, float* y, int64_t ldy, int64_t K, int64_t n0, int64_t n1) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS;
