@@ -88,7 +88,8 @@ def test_every_config_format_has_one_codec_entry():
 
 
 @pytest.mark.parametrize("spec", [KVTensorConfig("uint", 4, PerGroup(32, axis=-2)),
-                                  KVTensorConfig("int", 2, PerToken()), KVTensorConfig("lm", 4, PerGroup(16))],
+                                  KVTensorConfig("int", 2, PerToken()), KVTensorConfig("uint", 4, PerToken()),
+                                  KVTensorConfig("lm", 4, PerGroup(16))],
                          ids=lambda s: f"{s.format}{s.bits}")
 def test_a_new_layout_round_trips_encoder_reference_kernel(spec):
     # a layout the cache does not use (bit-stream rows instead of split rows), described once:

@@ -184,8 +184,11 @@ inline float scale_weights(const float* __restrict__ p, const float* __restrict_
 #define LM_AVX512 1
 // Row layouts of 64 channels the AVX-512 path unpacks in registers (formats/kvlayout.py):
 // split rows of 8, 4 or 2 bits (byte j: channels j, j + 64/p, ... for p codes a byte) and
-// 3-bit streams (8 codes in 3 bytes, little-endian).
-enum RowKind { ROW_NONE = 0, ROW_SPLIT8, ROW_SPLIT4, ROW_SPLIT2, ROW_STREAM3 };
+// little-endian bit streams of 2, 3 or 4 bits (8-bit streams are split rows). Every layout
+// of the same codes then computes the same sums.
+enum RowKind { ROW_NONE = 0, ROW_SPLIT8, ROW_SPLIT4, ROW_SPLIT2, ROW_STREAM3, ROW_STREAM2, ROW_STREAM4 };
+
+inline int load_u32(const uint8_t* p) { uint32_t w; std::memcpy(&w, p, 4); return (int)w; }
 
 // A side's 64 codes as four vectors of 16 floats: channels 0-15, 16-31, 32-47, 48-63.
 template <int L>
@@ -208,6 +211,19 @@ inline void codes64(const uint8_t* p, __m512* c) {
     c[1] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(a, 2), m3));
     c[2] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(a, 4), m3));
     c[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 6));
+  } else if (L == ROW_STREAM2) {  // 16 codes in 4 bytes
+    const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i m3 = _mm512_set1_epi32(3);
+    for (int k = 0; k < 4; ++k)
+      c[k] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(load_u32(p + 4 * k)), sh), m3));
+  } else if (L == ROW_STREAM4) {  // 16 codes in 8 bytes; lanes 0-7 from the first 4, 8-15 from the next
+    const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i m15 = _mm512_set1_epi32(15);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i w = _mm512_mask_set1_epi32(_mm512_set1_epi32(load_u32(p + 8 * k)), (__mmask16)0xFF00,
+                                               load_u32(p + 8 * k + 4));
+      c[k] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), m15));
+    }
   } else {  // ROW_STREAM3: 16 codes in 6 bytes; lanes 0-7 from bits 0-23, 8-15 from 24-47
     const __m512i sh = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
     const __m512i m7 = _mm512_set1_epi32(7);
@@ -309,6 +325,8 @@ inline void scores_fold_any(int kind, const float* const* q, int64_t rows, const
     case ROW_SPLIT8: scores_fold_rows<ROW_SPLIT8>(q, rows, codes, rb, n, sc, ld); break;
     case ROW_SPLIT4: scores_fold_rows<ROW_SPLIT4>(q, rows, codes, rb, n, sc, ld); break;
     case ROW_SPLIT2: scores_fold_rows<ROW_SPLIT2>(q, rows, codes, rb, n, sc, ld); break;
+    case ROW_STREAM2: scores_fold_rows<ROW_STREAM2>(q, rows, codes, rb, n, sc, ld); break;
+    case ROW_STREAM4: scores_fold_rows<ROW_STREAM4>(q, rows, codes, rb, n, sc, ld); break;
     default: scores_fold_rows<ROW_STREAM3>(q, rows, codes, rb, n, sc, ld); break;
   }
 }
@@ -318,6 +336,8 @@ inline void pv_fold_any(int kind, float* acc, int64_t rows, const float* w, int6
     case ROW_SPLIT8: pv_fold_rows<ROW_SPLIT8>(acc, rows, w, ld, codes, rb, n); break;
     case ROW_SPLIT4: pv_fold_rows<ROW_SPLIT4>(acc, rows, w, ld, codes, rb, n); break;
     case ROW_SPLIT2: pv_fold_rows<ROW_SPLIT2>(acc, rows, w, ld, codes, rb, n); break;
+    case ROW_STREAM2: pv_fold_rows<ROW_STREAM2>(acc, rows, w, ld, codes, rb, n); break;
+    case ROW_STREAM4: pv_fold_rows<ROW_STREAM4>(acc, rows, w, ld, codes, rb, n); break;
     default: pv_fold_rows<ROW_STREAM3>(acc, rows, w, ld, codes, rb, n); break;
   }
 }
@@ -589,7 +609,9 @@ inline int row_kind(const QSide& q, int64_t D) {
   if (D != 64 || q.lut) return ROW_NONE;
   if (q.packing == PACK_SPLIT)
     return q.bits == 8 ? ROW_SPLIT8 : q.bits == 4 ? ROW_SPLIT4 : q.bits == 2 ? ROW_SPLIT2 : ROW_NONE;
-  return q.packing == PACK_STREAM && q.bits == 3 ? ROW_STREAM3 : ROW_NONE;
+  if (q.packing != PACK_STREAM) return ROW_NONE;
+  return q.bits == 8 ? ROW_SPLIT8 : q.bits == 4 ? ROW_STREAM4 : q.bits == 3 ? ROW_STREAM3
+       : q.bits == 2 ? ROW_STREAM2 : ROW_NONE;
 }
 #endif
 
