@@ -319,28 +319,11 @@ void pv_fold_rows(float* acc, int64_t rows, const float* w, int64_t ld, const ui
     }
   }
 }
-inline void scores_fold_any(int kind, const float* const* q, int64_t rows, const uint8_t* codes, int64_t rb, int64_t n,
-                            float* sc, int64_t ld) {
-  switch (kind) {
-    case ROW_SPLIT8: scores_fold_rows<ROW_SPLIT8>(q, rows, codes, rb, n, sc, ld); break;
-    case ROW_SPLIT4: scores_fold_rows<ROW_SPLIT4>(q, rows, codes, rb, n, sc, ld); break;
-    case ROW_SPLIT2: scores_fold_rows<ROW_SPLIT2>(q, rows, codes, rb, n, sc, ld); break;
-    case ROW_STREAM2: scores_fold_rows<ROW_STREAM2>(q, rows, codes, rb, n, sc, ld); break;
-    case ROW_STREAM4: scores_fold_rows<ROW_STREAM4>(q, rows, codes, rb, n, sc, ld); break;
-    default: scores_fold_rows<ROW_STREAM3>(q, rows, codes, rb, n, sc, ld); break;
-  }
-}
-inline void pv_fold_any(int kind, float* acc, int64_t rows, const float* w, int64_t ld, const uint8_t* codes,
-                        int64_t rb, int64_t n) {
-  switch (kind) {
-    case ROW_SPLIT8: pv_fold_rows<ROW_SPLIT8>(acc, rows, w, ld, codes, rb, n); break;
-    case ROW_SPLIT4: pv_fold_rows<ROW_SPLIT4>(acc, rows, w, ld, codes, rb, n); break;
-    case ROW_SPLIT2: pv_fold_rows<ROW_SPLIT2>(acc, rows, w, ld, codes, rb, n); break;
-    case ROW_STREAM2: pv_fold_rows<ROW_STREAM2>(acc, rows, w, ld, codes, rb, n); break;
-    case ROW_STREAM4: pv_fold_rows<ROW_STREAM4>(acc, rows, w, ld, codes, rb, n); break;
-    default: pv_fold_rows<ROW_STREAM3>(acc, rows, w, ld, codes, rb, n); break;
-  }
-}
+// F<layout>(args...) for a RowKind known only at run time
+#define LM_ROW_DISPATCH(kind, F, ...) switch (kind) { \
+  case ROW_SPLIT8: F<ROW_SPLIT8>(__VA_ARGS__); break; case ROW_SPLIT4: F<ROW_SPLIT4>(__VA_ARGS__); break; \
+  case ROW_SPLIT2: F<ROW_SPLIT2>(__VA_ARGS__); break; case ROW_STREAM2: F<ROW_STREAM2>(__VA_ARGS__); break; \
+  case ROW_STREAM4: F<ROW_STREAM4>(__VA_ARGS__); break; default: F<ROW_STREAM3>(__VA_ARGS__); break; }
 #endif
 
 // The history may arrive as segments (blocks fetched from different places, never
@@ -849,7 +832,8 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       for (int64_t t = ts, e; fast && t < ts + n; t = e) {
         kd.seek(t);
         e = std::min(ts + n, kd.s1);
-        scores_fold_any(kkind, qsrow.data(), rows, kd.cb + (t - kd.s0) * K.rb, K.rb, e - t, sc.data() + (t - ts), TILE);
+        LM_ROW_DISPATCH(kkind, scores_fold_rows, qsrow.data(), rows, kd.cb + (t - kd.s0) * K.rb, K.rb, e - t,
+                        sc.data() + (t - ts), TILE)
       }
 #endif
       for (int64_t r = 0; r < rows; ++r) {
@@ -903,7 +887,8 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         for (int64_t t = ts, e; t < ts + n; t = e) {  // run by run, in token order as one call would
           vd.seek(t);
           e = std::min(ts + n, vd.s1);
-          pv_fold_any(vkind, acc, rows, wall.data() + (t - ts), TILE, vd.cb + (t - vd.s0) * V.rb, V.rb, e - t);
+          LM_ROW_DISPATCH(vkind, pv_fold_rows, acc, rows, wall.data() + (t - ts), TILE, vd.cb + (t - vd.s0) * V.rb,
+                          V.rb, e - t)
         }
         continue;
       }
