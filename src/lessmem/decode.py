@@ -394,13 +394,12 @@ def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     the first T tokens of a growing buffer), Hq a multiple of Hkv; returns [B, Hq, 1, D].
 
     The query heads sharing a KV head are its query rows ([B, Hkv, Hq/Hkv, D]: no mask is
-    needed for one token), so each KV head is read once. ``enable_gqa`` instead repeated
-    the keys and values per query head on the CPU (built-in model, 16k tokens, 30 layers:
-    116 ms against 77 ms). On the CPU, with few (batch x KV head) problems for the threads
-    (3 KV heads on 2 threads: one thread does two), a long history is cut into pieces
-    passed as a batch (a strided view, nothing copied) to the flash kernel, which returns
-    each piece's log-sum-exp, and the pieces are merged exactly (77 -> 62 ms there; below
-    ~2k tokens the merge costs more than it saves, so pieces have >= SPLIT_PIECE_TOKENS).
+    needed for one token), so each KV head is read once (``enable_gqa`` repeats the keys
+    and values per query head on the CPU). On the CPU, with few (batch x KV head) problems
+    for the threads (3 KV heads on 2 threads: one thread does two), a long history is cut
+    into pieces passed as a batch (a strided view, nothing copied) to the flash kernel,
+    which returns each piece's log-sum-exp, and the pieces are merged exactly (below ~2k
+    tokens the merge costs more than it saves, so pieces have >= SPLIT_PIECE_TOKENS).
     Equal to ``scaled_dot_product_attention(..., enable_gqa=True)`` up to float rounding."""
     B, Hq, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]

@@ -337,9 +337,9 @@ struct XRows {
 };
 
 // A decode row's weight rows stream from memory once each: without a hint the cores waited
-// on the loads (the built-in model's projections read ~6 GB/s in a step on a machine that
-// copies at 20+). The row PREFETCH_BYTES ahead is asked for while row n is computed (a hint:
-// an address past the weight is never faulted in).
+// on the loads (a step read its weights at a fraction of the machine's bandwidth). The row
+// PREFETCH_BYTES ahead is asked for while row n is computed (a hint: an address past the
+// weight is never faulted in).
 constexpr int64_t PREFETCH_BYTES = 4096;
 static inline int64_t prefetch_rows(int64_t rb) { return PREFETCH_BYTES / rb + 1; }
 static inline void prefetch_row(const uint8_t* row, int64_t rb) {
