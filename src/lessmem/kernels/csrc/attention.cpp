@@ -752,9 +752,9 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     // int4, kivi): unpacked in registers and used there (scores_fold / pv_fold), no float
     // rows in between
     const int kkind = row_kind(K, D), vkind = row_kind(V, D);
-    const bool fast4 = (kf || kft) && vf && kkind != ROW_NONE && vkind != ROW_NONE;
+    const bool fast = (kf || kft) && vf && kkind != ROW_NONE && vkind != ROW_NONE;
 #else
-    const bool fast4 = false;
+    const bool fast = false;
 #endif
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
     std::vector<float> sc(rows * TILE), w(TILE), va(TILE), vz(TILE), ka(TILE), kza(TILE), qsum(rows);
@@ -774,8 +774,8 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     // zs: the folded values' zero-point sums; qs, kz: the folded query rows and offsets
     std::vector<float> mla(rows * (D + 3)), kbuf(TILE * D), vbuf(TILE * D), qs(kf ? rows * D : 0);
     float* m = mla.data(); float* l = m + rows; float* zs = l + rows; float* acc = zs + rows;
-    std::vector<float> kz(rows), kbuf_s(kf ? 2 * D : 0), wall(fast4 ? rows * TILE : 0);
-    std::vector<const float*> qsrow(fast4 ? rows : 0);
+    std::vector<float> kz(rows), kbuf_s(kf ? 2 * D : 0), wall(fast ? rows * TILE : 0);
+    std::vector<const float*> qsrow(fast ? rows : 0);
     for (int64_t r = 0; r < (int64_t)qsrow.size(); ++r) qsrow[r] = kf ? qs.data() + r * D : qrow[r];
     std::fill(m, m + rows, NEG_INF);
     int64_t kgroup = -1;
@@ -783,18 +783,14 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       const int64_t n = std::min<int64_t>(TILE, t1 - ts);
       float* __restrict__ kb = kbuf.data();  // the tile's keys as float rows (codes when folded)
       float* __restrict__ vb = vbuf.data();
-      const bool fast = fast4;  // the whole item takes it: a segmented history computes as a joined one
-#ifdef LM_AVX512
+      // (fast: every tile of the item, so a segmented history computes as a joined one)
       if (fast) {  // the tile after next, into the caches while this one is computed
         kd.seek(ts); vd.seek(ts);
         if (ts + 3 * TILE <= kd.s1 && ts + 3 * TILE <= vd.s1 && ts + 3 * TILE <= t1) {
-          const char* kp = reinterpret_cast<const char*>(kd.cb + (ts + 2 * TILE - kd.s0) * K.rb);
-          const char* vp = reinterpret_cast<const char*>(vd.cb + (ts + 2 * TILE - vd.s0) * V.rb);
-          for (int64_t o = 0; o < TILE * K.rb; o += 64) _mm_prefetch(kp + o, _MM_HINT_T0);
-          for (int64_t o = 0; o < TILE * V.rb; o += 64) _mm_prefetch(vp + o, _MM_HINT_T0);
+          lm_prefetch(kd.cb + (ts + 2 * TILE - kd.s0) * K.rb, TILE * K.rb);
+          lm_prefetch(vd.cb + (ts + 2 * TILE - vd.s0) * V.rb, TILE * V.rb);
         }
       }
-#endif
       for (int64_t i = 0; i < (fast ? 0 : n); ++i) {
         if (fp) {
           const float* src = F.row(0, bh, ts + i, D, kb + i * D);

@@ -336,29 +336,14 @@ struct XRows {
   }
 };
 
-// A decode row's weight rows stream from memory once each: without a hint the cores waited
-// on the loads (a step read its weights at a fraction of the machine's bandwidth). The row
-// PREFETCH_BYTES ahead is asked for while row n is computed (a hint: an address past the
-// weight is never faulted in).
-constexpr int64_t PREFETCH_BYTES = 4096;
-static inline int64_t prefetch_rows(int64_t rb) { return PREFETCH_BYTES / rb + 1; }
-static inline void prefetch_row(const uint8_t* row, int64_t rb) {
-#if defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
-  for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
-#else
-  (void)row; (void)rb;
-#endif
-}
-
 // weight rows [n0, n1) of one weight against every input row: y[m * ldy + n]
 template <int T>
 static void fused_rows(const XRows& X, const uint8_t* w, float* y, int64_t ldy, int64_t K, int64_t n0, int64_t n1) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS;
   const int64_t nb = K / QK, rb = nb * TS;
   float out[8];
-  const int64_t ahead = prefetch_rows(rb);
   for (int64_t n = n0; n < n1; ++n) {
-    prefetch_row(w + (n + ahead) * rb, rb);
+    lm_prefetch_row_ahead(w + n * rb, rb);  // a decode step reads each weight row once
     for (const auto& ch : X.chunks) {
       const uint8_t* row = w + n * rb;
       const float* xc = X.xs + ch.first * K;
@@ -479,9 +464,9 @@ struct XQ8 {
 template <int T>
 static void fused_q8_rows(const XQ8& X, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
                           int64_t n1) {
-  const int64_t nb = K / 32, rb = nb * Traits<T>::TS, ahead = prefetch_rows(rb);
+  const int64_t nb = K / 32, rb = nb * Traits<T>::TS;
   for (int64_t n = n0; n < n1; ++n) {
-    prefetch_row(w + (n + ahead) * rb, rb);
+    lm_prefetch_row_ahead(w + n * rb, rb);
     for (int64_t m = 0; m < M; ++m)
       y[m * ldy + n] = row_dot_q8<T>(w + n * rb, X.q.data() + m * K, X.d.data() + m * nb, X.s.data() + m * nb, nb);
   }

@@ -28,16 +28,6 @@
 #define PAR_MIN_WORK 65536
 #endif
 
-// Weight rows stream from memory once a decode step: the row ~4 KB ahead is asked for while
-// one is computed (as in gguf_linear.cpp; a hint, never a fault past the end).
-static inline void prefetch_ahead(const void* row, int64_t rb) {
-#ifdef LM_AVX2
-  const char* p = static_cast<const char*>(row) + (4096 / rb + 1) * rb;
-  for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-#else
-  (void)row; (void)rb;
-#endif
-}
 
 static inline float h2f(const at::Half h) {
 #ifdef LM_AVX2
@@ -103,7 +93,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
   if (M == 1) {
     #pragma omp parallel for schedule(static) if(par)
     for (int64_t n = 0; n < N; ++n) {
-      prefetch_ahead(wp + n * K, K);
+      lm_prefetch_row_ahead(wp + n * K, K);
       yp[n] = dot_f32_i8(xp, wp + n * K, K) * h2f(sp[n]);
     }
     return y;
@@ -136,7 +126,7 @@ torch::Tensor w8a8_linear(torch::Tensor xq, torch::Tensor sx, torch::Tensor w, t
   #pragma omp parallel for schedule(static) if(N * K * M >= PAR_MIN_WORK)
   for (int64_t n = 0; n < N; ++n) {
     const int8_t* wr = wp + n * K;
-    prefetch_ahead(wr, K);
+    lm_prefetch_row_ahead(wr, K);
     const float s = h2f(sp[n]);
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* xr = xp + m * K;
@@ -327,7 +317,7 @@ static void lowbit_impl(const float* x, const uint8_t* cp, const at::Half* sp, c
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t* b = cp + n * row_bytes;
-      prefetch_ahead(b, row_bytes);
+      lm_prefetch_row_ahead(b, row_bytes);
       const at::Half* s = sp + n * G;
       const uint8_t* z = zp + n * G;
       if (n == N - 1) {
