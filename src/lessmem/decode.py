@@ -386,6 +386,8 @@ class LeanDecode:
 
 
 SPLIT_PIECE_TOKENS = 1024  # one_token_attention splits a history only into pieces of >= this many tokens
+# the CPU flash kernel that also returns the log-sum-exp (a private op of torch >= 2.2)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -405,9 +407,9 @@ def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     Hkv, T = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, Hq // Hkv, D)
     pieces = _split_pieces(B * Hkv, T) if q.device.type == "cpu" and B == 1 else 1
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if pieces < 2 or flash is None or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if pieces < 2 or _FLASH_CPU is None or k.stride(-1) != 1 or v.stride(-1) != 1:
         return F.scaled_dot_product_attention(qg, k, v, scale=scale).view(B, Hq, 1, D)
+    flash = _FLASH_CPU
     P = T // pieces
 
     def cut(x):  # [1, Hkv, T, D] -> [pieces, Hkv, P, D], piece i = tokens [i*P, (i+1)*P)
