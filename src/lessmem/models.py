@@ -232,35 +232,30 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
         >>> model.config.num_hidden_layers                    # doctest: +SKIP
         30
     """
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise ValueError(f"model must be an alias, a path or a hub id, got {name_or_path!r}")
+    kind, name, path = _source(name_or_path)
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}; allowed: {', '.join(map(repr, WEIGHTS))}")
     if not isinstance(tokenizer, bool):
         raise ValueError(f"tokenizer={tokenizer!r}; allowed: True or False")
-    name = os.fspath(name_or_path)
-    if name in BUILTIN:
+    if kind == "builtin":
         model, tok = _load_builtin(BUILTIN[name], dtype, weights, tokenizer)
-    else:
-        path = Path(name).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            model, tok = _load_gguf(path, dtype, weights, meta_cache=_file_meta_dir(path), tokenizer=tokenizer)
-        elif path.is_dir() and (path / QUANT_MARKER).exists():
-            model, tok = _load_quantized_checkpoint(path)
-        elif path.is_dir():
-            if not (path / "config.json").exists():
-                raise ValueError(f"could not load model {name!r} as a directory: it has no config.json "
-                                 f"(nor {QUANT_MARKER}); pass a HF model directory or a .gguf file")
-            model, tok = _load_hf(str(path), dtype, local=True, tokenizer=tokenizer)
-        elif path.exists():
-            raise ValueError(f"{name!r} is a file but not a .gguf file; pass a .gguf file, "
-                             "a model directory, a hub id or one of " + ", ".join(BUILTIN))
-        elif _looks_like_hub_id(name):
-            # where no hub answers, only the local HF cache can serve it (fails fast
-            # instead of transformers' minute of retries)
-            model, tok = _load_hf(name, dtype, local=not _hub_reachable(), tokenizer=tokenizer)
-        else:
-            raise _unknown_model(name)
+    elif kind == "gguf":
+        model, tok = _load_gguf(path, dtype, weights, meta_cache=_file_meta_dir(path), tokenizer=tokenizer)
+    elif kind == "checkpoint":
+        model, tok = _load_quantized_checkpoint(path)
+    elif kind == "directory":
+        if not (path / "config.json").exists():
+            raise ValueError(f"could not load model {name!r} as a directory: it has no config.json "
+                             f"(nor {QUANT_MARKER}); pass a HF model directory or a .gguf file")
+        model, tok = _load_hf(str(path), dtype, local=True, tokenizer=tokenizer)
+    elif kind == "file":
+        raise ValueError(f"{name!r} is a file but not a .gguf file; pass a .gguf file, "
+                         "a model directory, a hub id or one of " + ", ".join(BUILTIN))
+    elif kind == "unknown":
+        raise _unknown_model(name)
+    else:  # a hub id: where no hub answers, only the local HF cache can serve it (fails fast
+        # instead of transformers' minute of retries)
+        model, tok = _load_hf(name, dtype, local=not _hub_reachable(), tokenizer=tokenizer)
     model.eval()
     if not tokenizer:
         tok = None
@@ -287,32 +282,48 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
         >>> load_tokenizer("smollm2-135m")("Hi").input_ids      # doctest: +SKIP
         [26843]
     """
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise ValueError(f"model must be an alias, a path or a hub id, got {name_or_path!r}")
+    kind, name, path = _source(name_or_path)
+    if kind in ("file", "unknown"):
+        raise _unknown_model(name)
     from transformers import AutoTokenizer
 
-    name = os.fspath(name_or_path)
-    path = Path(name).expanduser()
-    meta = _meta_dir(BUILTIN[name]) if name in BUILTIN else (
-        _file_meta_dir(path) if path.is_file() and path.suffix == ".gguf" else None)
+    meta = (_meta_dir(BUILTIN[name]) if kind == "builtin" else _file_meta_dir(path) if kind == "gguf" else None)
     try:
         if meta is not None and (meta / "complete.json").exists():
             return AutoTokenizer.from_pretrained(str(meta))
-        if name in BUILTIN:  # (only now: finding the file checks its sha256, 98 MB read)
+        if kind == "builtin":  # (only now: finding the file checks its sha256, 98 MB read)
             path = builtin_gguf(name)
-        if path.is_file() and path.suffix == ".gguf":
+        if kind in ("builtin", "gguf"):
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        if path.is_dir() and (path / QUANT_MARKER).exists():
+        if kind == "checkpoint":
             has = (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists()
             return AutoTokenizer.from_pretrained(str(path)) if has else None
-        if path.is_dir():
+        if kind == "directory":
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        if not path.exists() and _looks_like_hub_id(name):
-            return AutoTokenizer.from_pretrained(name, local_files_only=not _hub_reachable())
+        return AutoTokenizer.from_pretrained(name, local_files_only=not _hub_reachable())
     except (OSError, ValueError, KeyError, TypeError) as exc:
         first = _first_line(exc)
         raise ValueError(f"could not read a tokenizer from {name!r}: {first}") from exc
-    raise _unknown_model(name)
+
+
+def _source(name_or_path) -> tuple[str, str, Path]:
+    """What ``load`` and ``load_tokenizer`` are given: (kind, name, path) with kind one of
+    "builtin", "gguf" (a .gguf file), "checkpoint" (a lessmem quantized checkpoint),
+    "directory", "file" (anything else that exists), "hub" (a hub id) or "unknown"; ValueError
+    when it is not a string or path."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"model must be an alias, a path or a hub id, got {name_or_path!r}")
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    if name in BUILTIN:
+        return "builtin", name, path
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", name, path
+    if path.is_dir():
+        return ("checkpoint" if (path / QUANT_MARKER).exists() else "directory"), name, path
+    if path.exists():
+        return "file", name, path
+    return ("hub" if _looks_like_hub_id(name) else "unknown"), name, path
 
 
 def _first_line(exc: BaseException) -> str:
