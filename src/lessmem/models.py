@@ -222,8 +222,8 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     (``load_tokenizer`` builds it later), for callers that feed token ids and read token
     ids (a serving backend behind its own tokenizer, a benchmark; vLLM's
     ``skip_tokenizer_init``): the HF tokenizer of the
-    built-in model adds 40–43 MiB of RSS (``tokenizer_rss_mib`` in
-    ``benchmarks/results/e2e.json``), 40% of its weights file. (Where the source
+    built-in model adds 41–46 MiB of RSS (``tokenizer_rss_mib`` in
+    ``benchmarks/results/e2e.json``), 44–49% of its weights file. (Where the source
     only comes with one — a first load that caches a GGUF file's metadata, a quantized
     checkpoint — it is built and dropped.)
 
