@@ -12,8 +12,9 @@ is held in pieces of ``SEGMENT_TOKENS`` tokens on the CPU: blocks are appended t
 piece by concatenation, and a piece that is full is never copied again. Attention reads
 the pieces in place (a :class:`~lessmem.kernels.attention.SegmentedKV`). One growing
 tensor would be copied whole at every block a layer appends, leaving the old copy's pages
-to the allocator (``benchmarks/results/e2e_16k.json``: the decode's RSS over imports fell
-271 -> 250 MiB with this and GGUF q/k rows kept mapped). On other devices (and in sliding layers,
+to the allocator (``benchmarks/results/e2e_16k.json`` at 86add28 against the version before
+it: best-4's decode RSS over imports 271 -> 250 MiB, with GGUF q/k rows kept mapped too).
+On other devices (and in sliding layers,
 whose history is bounded) the history is one piece. ``history`` gives it as one dict
 (joined: a copy when there are several pieces); ``blocks()`` returns the immutable
 per-block views.
