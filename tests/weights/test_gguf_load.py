@@ -235,3 +235,16 @@ def test_gguf_path_keeps_its_config_and_tokenizer(tmp_path, monkeypatch):
     later = lessmem.load_tokenizer(str(path))
     assert parses == [True, False, True, True, False, False]
     assert later("hello world").input_ids == outs[0][1]
+
+
+def test_embedding_traces_whole_graph_and_still_checks_eagerly(tmp_path):
+    # torch.compile(fullgraph=True) of a GGUF model's forward (transformers' StaticCache path)
+    # stopped at the id range check (data-dependent); traced, the check is skipped, eager keeps it
+    m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    g = load_gguf_blocks(write_model_gguf(m, tmp_path / "m.gguf", "q8_0"), config=m.config)
+    emb = g.model.embed_tokens
+    ids = torch.tensor([[1, 5, 271]])
+    traced = torch.compile(emb, fullgraph=True, backend="eager")
+    assert torch.equal(traced(ids), emb(ids))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 272\)"):
+        emb(torch.tensor([[272]]))
