@@ -117,9 +117,9 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if torch.compiler.is_compiling():  # traced: the ids are not known yet (the eager call checks)
-            pass
-        elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+        # (traced by torch.compile the ids are not known yet: the eager call checks them)
+        if (not torch.compiler.is_compiling() and flat.numel()
+                and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings)):
             raise ValueError(f"token ids must lie in [0, {self.num_embeddings}), got "
                              f"{int(flat.min())}..{int(flat.max())}")
         rows = self.qweight.index_select(0, flat.to(self.qweight.device))
