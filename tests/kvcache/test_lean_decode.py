@@ -128,6 +128,49 @@ def test_gguf_mix_in_one_call_per_projection_group(arch, sdpa_as_transformers):
     assert handle._layers[0].qkv is None and torch.equal(got, ref)
 
 
+def test_gguf_file_rows_in_llamacpp_order(tmp_path, sdpa_as_transformers):
+    """A model loaded from a GGUF file keeps llama.cpp's q/k row order (``out_perm``); the
+    fused q/k/v call gathers its outputs in C++: the same logits as the model's forward."""
+    from lessmem.weights.gguf_export import write_model_gguf
+    from lessmem.weights.gguf_load import load_gguf_blocks
+
+    m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    g = load_gguf_blocks(write_model_gguf(m, tmp_path / "m.gguf", "q8_0"), config=m.config)
+    assert g.model.layers[0].self_attn.q_proj.out_perm is not None
+    for kind in ("dynamic", "best-4"):
+        ref, _ = _decode(g, _cache(g, kind), lean=False)
+        got, handle = _decode(g, _cache(g, kind), lean=True)
+        assert handle.steps == len(STEPS) and torch.equal(got, ref), kind
+        if handle._glue is not None:
+            assert all(L.qkv is not None for L in handle._layers)
+
+
+@pytest.mark.parametrize("preset", ["best-4", "int4-rot", "kivi-2"])
+def test_decode_row_equals_the_view_path(preset):
+    """``QuantizedKVLayer.decode_row`` (the lean step's append + attention) gives what
+    ``append_view(k, v).attend(q)`` gives, bit for bit, and leaves the same layer: while
+    the sinks fill, before the first block is quantized and across block flushes."""
+    import dataclasses
+
+    from lessmem.kvcache import PRESETS
+
+    cfg = dataclasses.replace(PRESETS[preset], sinks=3, window=8, block_size=64)
+    model = tiny_random("llama")
+    a, b = KVCache(model.config, cfg).layers[0], KVCache(model.config, cfg).layers[0]
+    g = torch.Generator().manual_seed(5)
+    Hq, Hkv, D = model.config.num_attention_heads, model.config.num_key_value_heads, 16
+    k0, v0 = torch.randn(1, Hkv, 2, D, generator=g), torch.randn(1, Hkv, 2, D, generator=g)
+    a.update(k0, v0), b.update(k0.clone(), v0.clone())
+    for step in range(150):
+        q, k, v = (torch.randn(1, h, 1, D, generator=g) for h in (Hq, Hkv, Hkv))
+        got = a.decode_row(q, k, v, 0.25)
+        ref = b.append_view(k.clone(), v.clone()).attend(q, None, 0.25)
+        assert torch.equal(got, ref), step
+        assert (a.length, a.n_history) == (b.length, b.n_history)
+        assert all(torch.equal(x, y) for x, y in zip(a.window + a.sinks, b.window + b.sinks, strict=True))
+    assert a.n_history >= 128
+
+
 def test_batch_rows(sdpa_as_transformers):
     model = tiny_random("llama")
     prompt = torch.randint(3, 250, (3, 20), generator=torch.Generator().manual_seed(2))

@@ -159,8 +159,18 @@ class SegmentedKV:
         return self.joined.values
 
 
+_LOADED: list = []  # attention_cpp.load()'s answer, once asked with the C++ kernel allowed
+
+
 def _module():
-    return attention_cpp.load()
+    """The compiled kernel module, or None (``LESSMEM_NO_CPP=1``, read on every call; no
+    compiler). Every decode row asks, 30 times a step: the build's own cache lookup cost
+    ~7 µs of a layer there, the memo here one list read."""
+    if os.environ.get("LESSMEM_NO_CPP") == "1":
+        return None
+    if not _LOADED:
+        _LOADED.append(attention_cpp.load())
+    return _LOADED[0]
 
 
 def cpp_available() -> bool:
@@ -305,7 +315,7 @@ def fused_attention(q_h: torch.Tensor, kv: QuantKV, mask_h: torch.Tensor | None,
     attention output is ``out_f + out_h`` (after un-rotating ``out_h`` if values were
     rotated). Returns None when the C++ kernel is unavailable (the caller falls back).
     """
-    mod = _module() if q_h.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
+    mod = _module() if q_h.device.type == "cpu" else None
     if mod is None:
         return None
     B, Hq, Tq, D = q_h.shape
@@ -386,7 +396,7 @@ def fused_attention_rows(q: torch.Tensor, scaling: float, rk: torch.Tensor | Non
     A history's part of the arguments is made once per history object and thread count (a
     decode step makes this call in every layer; assembling them had cost as long as the
     attention)."""
-    mod = _module() if q.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
+    mod = _module() if q.device.type == "cpu" else None
     if mod is None or not histories:
         return None
     nt = torch.get_num_threads()
@@ -428,7 +438,7 @@ def fused_attention_batch(q_h: torch.Tensor, q_f: torch.Tensor, histories: list,
     does, or None without the C++ kernel. Each request's result equals what it gets in a
     batch of one (its splits depend on its own history only).
     """
-    mod = _module() if q_h.device.type == "cpu" and os.environ.get("LESSMEM_NO_CPP") != "1" else None
+    mod = _module() if q_h.device.type == "cpu" else None
     if mod is None or not histories:
         return None
     kl, vl = _layouts(histories[0])

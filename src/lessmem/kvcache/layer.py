@@ -42,7 +42,7 @@ from .codec import kv_layout
 from .config import KVConfig, KVTensorConfig
 from .encode_op import encode_chunk  # torch.ops.lessmem.kv_encode: Triton on CUDA
 from .key_rounding import QueryMoments, applies, round_keys
-from .view import LayerView, _rot_matrix
+from .view import LayerView, _rot_matrix, attend_rows
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (module doc)
@@ -158,6 +158,26 @@ class QuantizedKVLayer(CacheLayerMixin):
                          self.rot_k, self.rot_v, self.queries)
         self._append(key_states, value_states)
         return view
+
+    def decode_row(self, q: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+        """``append_view(k, v).attend(q, None, scaling)`` for one decode row (batch 1, one new
+        token, q [1, Hq, 1, D]), without the view in between where it can: the same pieces
+        (sinks, history, window, the token) go to the same one-call kernel, so the output is
+        the same bit for bit. The lean decode step calls this in every layer (the view and
+        its checks had cost ~15 µs of a layer's ~500)."""
+        hist = self.read_history()
+        if (hist is not None and q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1
+                and (self.queries is None or self.queries.full)):
+            pieces = [p for p in (self.sinks, self.window) if p[0].shape[2]]
+            pieces.append((key_states, value_states))
+            Hq, D = q.shape[1], q.shape[3]
+            out = attend_rows(self, q.view(1, Hq, D), scaling, [hist], [pieces])
+            if out is not None:
+                self._append(key_states, value_states)
+                out = out.view(1, Hq, 1, D)
+                return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return self.append_view(key_states, value_states).attend(q, None, scaling)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -483,6 +503,10 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
         view = super().append_view(key_states, value_states)
         self._drop_slid_out()
         return view
+
+    def decode_row(self, q: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+        return self.append_view(key_states, value_states).attend(q, None, scaling)  # (drops what slid out)
 
     def _drop_slid_out(self) -> None:
         B = self.config.block_size

@@ -144,8 +144,15 @@ def attend_decode_rows(views: list, q: torch.Tensor, scaling: float) -> torch.Te
     then go through ``LayerView.attend``'s op path, Triton on CUDA)."""
     if q.device.type != "cpu":  # the one-call kernel reads CPU memory: the caller takes the op path
         return None
-    rk, rv = _rot_matrices(views[0], q.shape[1])
-    return fused_attention_rows(q, scaling, rk, rv, [v.history for v in views], [v.fp_pieces() for v in views])
+    return attend_rows(views[0], q, scaling, [v.history for v in views], [v.fp_pieces() for v in views])
+
+
+def attend_rows(rotated, q: torch.Tensor, scaling: float, histories: list, fp_pieces: list) -> torch.Tensor | None:
+    """:func:`attend_decode_rows` on its parts: ``rotated`` holds ``rot_k``/``rot_v`` (a view
+    or a layer), row r reads ``histories[r]`` and the full-precision ``fp_pieces[r]``
+    (sinks, window, current token, in order). CPU only; None without the C++ kernel."""
+    rk, rv = _rot_matrices(rotated, q.shape[1])
+    return fused_attention_rows(q, scaling, rk, rv, histories, fp_pieces)
 
 
 @dataclass

@@ -604,9 +604,10 @@ static torch::Tensor op_gguf_dequantize(const torch::Tensor& raw, int64_t type, 
 // region: y [..., ΣN] float32, weight i's outputs in columns [ΣN_<i, ΣN_≤i). Each weight row
 // runs the same kernel, with the same x rounding, as its own gguf_linear(_q8) call, so the
 // columns equal those calls bit for bit; x is converted (and quantized to int8) once.
+// ``order`` (or None): output column c is column order[c] of those (rows stored permuted).
 torch::Tensor gguf_linear_multi(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
                                 std::vector<int64_t> Ns, std::vector<std::optional<torch::Tensor>> biases,
-                                bool int8_activations) {
+                                bool int8_activations, std::optional<torch::Tensor> order) {
   const size_t S = ws.size();
   LM_CHECK_VALUE(S > 0 && types.size() == S && Ns.size() == S && biases.size() == S,
                  "gguf_linear_multi: one type, out_features and bias per weight (", S, " weights)");
@@ -672,7 +673,20 @@ torch::Tensor gguf_linear_multi(torch::Tensor x, std::vector<torch::Tensor> ws, 
   const int64_t work = ldy * K * M, n_items = (int64_t)items.size();
   if (at::get_num_threads() == 1 || work < PAR_MIN_WORK || n_items < 2) run(0, n_items);
   else at::parallel_for(0, n_items, 1, run);
-  return y;
+  if (!order.has_value()) return y;
+  // rows held in another order than the outputs (GGUFLinear.out_perm): output c is column
+  // order[c] of what the rows gave (a gather here, not one more op call per layer)
+  const auto& o = *order;
+  LM_CHECK_VALUE(o.scalar_type() == torch::kInt64 && o.dim() == 1 && o.numel() == ldy && o.is_contiguous(),
+                 "gguf_linear_multi: order must be a contiguous int64 vector of ", ldy, " columns");
+  const int64_t* op = o.data_ptr<int64_t>();
+  for (int64_t c = 0; c < ldy; ++c)
+    LM_CHECK_VALUE(op[c] >= 0 && op[c] < ldy, "gguf_linear_multi: order[", c, "] = ", op[c], " is not a column 0..", ldy - 1);
+  auto g = torch::empty_like(y);
+  float* gp = g.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < ldy; ++c) gp[m * ldy + c] = yp[m * ldy + op[c]];
+  return g;
 }
 
 // RMSNorm of float32 rows x [..., H] with weight w [H]: w · (x · rsqrt(mean(x²) + eps)),
