@@ -246,3 +246,26 @@ def test_q8_bad_inputs_and_module_switch():
     assert torch.allclose(approx.double(), (_q8_reference(x, q.qweight, "q4_1", 8) + q.bias.double()), atol=1e-5)
     x20 = torch.randn(20, 256)  # more than FUSED_MAX_ROWS rows (prefill): float activations, BLAS
     assert torch.equal(q(x20), torch.nn.functional.linear(x20, q.dequantized_weight(), q.bias))
+
+
+def test_rms_norm_rows_bit_identical_to_transformers_steps():
+    """The lean step's RMSNorm (``rms_norm_rows``) adds the squares itself in at::sum's order
+    where its check found that order, else calls at::mean: either way the same bits as
+    transformers' float32 steps, for row lengths below, at and past one vector, long rows
+    (the reduction's cascade levels), several rows, and every magnitude."""
+    g = kern._mod()
+    if g is None:
+        pytest.skip("no C++ compiler")
+    gen = torch.Generator().manual_seed(0)
+    for H in [*range(1, 70), 127, 128, 129, 576, 577, 896, 2048, 2049, 5000, 40000]:
+        for R in (1, 3):
+            scale = 10 ** (torch.rand(1, generator=gen).item() * 6 - 3)
+            x = torch.randn(R, 1, H, generator=gen) * scale
+            w = torch.randn(H, generator=gen)
+            ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            assert torch.equal(g.rms_norm_rows(x, w, 1e-6), ref), (H, R)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # x86: vectors of 8 or 16 floats
+        assert g.rms_sum_width(576) in (8, 16)  # (the built-in model's rows: added here)
+    assert g.rms_sum_width(15) == 0  # (shorter than a vector: torch's scalar loop, its own call)
+    with pytest.raises(ValueError, match="rms_norm_rows"):
+        g.rms_norm_rows(torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3), 1e-6)

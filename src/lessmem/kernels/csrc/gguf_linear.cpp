@@ -10,6 +10,9 @@
 #include <algorithm>
 #include <vector>
 #include <ATen/Parallel.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <mutex>
+#include <unordered_map>
 #if defined(__F16C__) || defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -689,23 +692,114 @@ torch::Tensor gguf_linear_multi(torch::Tensor x, std::vector<torch::Tensor> ws, 
   return g;
 }
 
+constexpr int64_t RMS_HAND_MAX = 32768;  // at::internal::GRAIN_SIZE: a reduction this small runs on one thread
+
+// torch's float32 sum of one contiguous row of n >= W values, added as its CPU kernel adds
+// them (ATen's cascade_sum, contiguous inner reduction, for vectors of W lanes): rows of 4
+// vectors summed lane-wise into a cascade of 4 levels (each level takes the one below every
+// 16 rows), the vectors left over, the 4 partial vectors, then the scalars past the last whole
+// vector and the W lanes one by one. The same additions in the same order give the same bits;
+// rms_norm_rows checks that against at::sum once per row length before trusting it.
+template <int W>
+static float torch_row_sum(const float* x, int64_t n) {
+  constexpr int64_t LEVELS = 4, STEP = 16;  // the level step for fewer than 2^16 rows
+  const int64_t nv = n / W, rows = nv / 4;
+  float acc[LEVELS][4][W] = {};
+  auto add_row = [&](int64_t i) {
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < W; ++l) acc[0][k][l] += x[(i * 4 + k) * W + l];
+  };
+  int64_t i = 0;
+  while (i + STEP <= rows) {
+    for (int64_t j = 0; j < STEP; ++j, ++i) add_row(i);
+    for (int64_t j = 1; j < LEVELS; ++j) {
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < W; ++l) { acc[j][k][l] += acc[j - 1][k][l]; acc[j - 1][k][l] = 0.f; }
+      if ((i & ((STEP - 1) << (j * 4))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int64_t j = 1; j < LEVELS; ++j)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < W; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = rows * 4; v < nv; ++v)
+    for (int l = 0; l < W; ++l) acc[0][0][l] += x[v * W + l];
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.f;
+  for (int64_t k = nv * W; k < n; ++k) total += x[k];
+  for (int l = 0; l < W; ++l) total += acc[0][0][l];
+  return 0.f + total;  // (the output starts at zero and is added to)
+}
+
+static float torch_row_sum_w(int width, const float* x, int64_t n) {
+  return width == 16 ? torch_row_sum<16>(x, n) : torch_row_sum<8>(x, n);
+}
+
+// The vector width (8 or 16 lanes) with which torch_row_sum adds a row of H squares as
+// at::sum does on this machine, or 0 when neither does (then at::sum is called). Found
+// once per H on random rows of several magnitudes; the answer holds for the process (torch
+// picks its kernel once, by the CPU).
+static int sum_width(int64_t H) {
+  static std::mutex mu;
+  static std::unordered_map<int64_t, int> known;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(H);
+  if (it != known.end()) return it->second;
+  int found = 0;
+  if (H >= 16 && H <= RMS_HAND_MAX) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(1234);
+    auto x = at::randn({8, H}, g, torch::kFloat32) * at::logspace(-3, 3, 8, 10.0, torch::kFloat32).unsqueeze(1);
+    auto sq = x * x;
+    auto ref = at::sum(sq, {-1}).contiguous();
+    const float* sp = sq.data_ptr<float>(); const float* rp = ref.data_ptr<float>();
+    for (int width : {8, 16}) {
+      bool same = true;
+      for (int64_t r = 0; r < 8 && same; ++r) {
+        const float got = torch_row_sum_w(width, sp + r * H, H);
+        same = std::memcmp(&got, rp + r, sizeof(float)) == 0;
+      }
+      if (same) { found = width; break; }
+    }
+  }
+  known[H] = found;
+  return found;
+}
+
+// sum_width for Python (tests: which rows rms_norm_rows adds itself)
+int64_t rms_sum_width(int64_t H) { return sum_width(H); }
+
 // RMSNorm of float32 rows x [..., H] with weight w [H]: w · (x · rsqrt(mean(x²) + eps)),
-// the float32 steps of transformers' LlamaRMSNorm (and torch.rms_norm) in their order; the
-// mean is torch's own reduction (at::mean), so the sums, and the result, are bit-identical.
+// the float32 steps of transformers' LlamaRMSNorm (and torch.rms_norm) in their order. The
+// mean is torch's own (at::mean: at::sum, then a division by H), its sum either added here
+// in at::sum's order (torch_row_sum, where sum_width found it: no tensor op at all, ~5 µs
+// less a call, 61 calls a decode step) or at::mean itself; either way the bits are the same.
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
   LM_CHECK_VALUE(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && x.dim() >= 1
                  && w.dim() == 1 && w.size(0) == x.size(-1) && x.is_cpu() && w.is_cpu(),
                  "rms_norm_rows: x must be float32 [..., H] and w float32 [H], on the CPU");
   auto xc = x.contiguous();
-  auto var = at::mean(xc * xc, {-1}, true);  // x.pow(2) is x * x, exactly
   auto out = torch::empty_like(xc);
   const int64_t H = xc.size(-1), R = H > 0 ? xc.numel() / H : 0;
-  const float* xp = xc.data_ptr<float>(); const float* vp = var.data_ptr<float>();
+  const float* xp = xc.data_ptr<float>();
   auto wc = w.contiguous();
   const float* wp = wc.data_ptr<float>(); float* op = out.data_ptr<float>();
   const float e = (float)eps;
+  // (beyond RMS_HAND_MAX values at::sum may split the rows across threads: its own call)
+  const int width = R * H <= RMS_HAND_MAX ? sum_width(H) : 0;
+  torch::Tensor var;
+  if (width == 0) var = at::mean(xc * xc, {-1}, true);  // x.pow(2) is x * x, exactly
+  const float* vp = width ? nullptr : var.data_ptr<float>();
+  std::vector<float> sq(width ? H : 0);
   for (int64_t r = 0; r < R; ++r) {
-    const float inv = 1.f / std::sqrt(vp[r] + e);
+    float v;
+    if (width) {
+      for (int64_t h = 0; h < H; ++h) sq[h] = xp[r * H + h] * xp[r * H + h];
+      v = torch_row_sum_w(width, sq.data(), H) / (float)H;
+    } else {
+      v = vp[r];
+    }
+    const float inv = 1.f / std::sqrt(v + e);
     for (int64_t h = 0; h < H; ++h) op[r * H + h] = wp[h] * (xp[r * H + h] * inv);
   }
   return out;
