@@ -348,24 +348,27 @@ class LeanDecode:
         for L in self._layers:
             h = L.ln1(x)
             y = L.qkv(h) if L.qkv is not None else None  # q, k and v in one call
-            if y is not None:
-                nq, nk = L.hq * L.d, L.hkv * L.d
-                q = y[..., :nq].view(B, L.hq, 1, L.d)
-                k = y[..., nq:nq + nk].view(B, L.hkv, 1, L.d)
-                v = y[..., nq + nk:].view(B, L.hkv, 1, L.d)
+            if y is not None and glue is not None and L.q_norm is None:  # split and rotated in one call
+                q, k, v = glue.qkv_rope_rows(y, cos, sin, L.hq, L.hkv, L.d)
             else:
-                q = L.q(h).view(B, L.hq, 1, L.d)
-                k = L.k(h).view(B, L.hkv, 1, L.d)
-                v = L.v(h).view(B, L.hkv, 1, L.d)
-            if L.q_norm is not None:
-                q, k = L.q_norm(q), L.k_norm(k)
-            if glue is not None:  # = transformers' q·cos + rotate_half(q)·sin, bit for bit
-                q, k = glue.rope_rows(q, cos, sin), glue.rope_rows(k, cos, sin)
-            else:
-                qk = torch.cat([q, k], dim=1)  # rotate both in one go
-                swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
-                qk = qk * cos + swapped * sin  # (sin sign-folded above)
-                q, k = qk[:, :L.hq], qk[:, L.hq:]
+                if y is not None:
+                    nq, nk = L.hq * L.d, L.hkv * L.d
+                    q = y[..., :nq].view(B, L.hq, 1, L.d)
+                    k = y[..., nq:nq + nk].view(B, L.hkv, 1, L.d)
+                    v = y[..., nq + nk:].view(B, L.hkv, 1, L.d)
+                else:
+                    q = L.q(h).view(B, L.hq, 1, L.d)
+                    k = L.k(h).view(B, L.hkv, 1, L.d)
+                    v = L.v(h).view(B, L.hkv, 1, L.d)
+                if L.q_norm is not None:
+                    q, k = L.q_norm(q), L.k_norm(k)
+                if glue is not None:  # = transformers' q·cos + rotate_half(q)·sin, bit for bit
+                    q, k = glue.rope_rows(q, cos, sin), glue.rope_rows(k, cos, sin)
+                else:
+                    qk = torch.cat([q, k], dim=1)  # rotate both in one go
+                    swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
+                    qk = qk * cos + swapped * sin  # (sin sign-folded above)
+                    q, k = qk[:, :L.hq], qk[:, L.hq:]
             if views:  # append and attend in one call: the fused kernel over its blocks
                 a = cache.layers[L.idx].decode_row(q, k, v, L.scale)
             else:
@@ -377,7 +380,9 @@ class LeanDecode:
             x = x + L.o(a.reshape(B, 1, L.hq * L.d))
             h = L.ln2(x)
             y = L.gate_up(h) if L.gate_up is not None else None
-            if y is not None:
+            if y is not None and glue is not None:
+                x = x + L.down(glue.silu_mul_rows(y))  # = F.silu(gate) * up, bit for bit
+            elif y is not None:
                 n = y.shape[-1] // 2
                 x = x + L.down(F.silu(y[..., :n]) * y[..., n:])
             else:

@@ -269,3 +269,34 @@ def test_rms_norm_rows_bit_identical_to_transformers_steps():
     assert g.rms_sum_width(15) == 0  # (shorter than a vector: torch's scalar loop, its own call)
     with pytest.raises(ValueError, match="rms_norm_rows"):
         g.rms_norm_rows(torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3), 1e-6)
+
+
+def test_qkv_rope_and_silu_mul_rows_bit_identical_to_torch_ops():
+    """The lean step's one-call glue: ``qkv_rope_rows`` splits a fused q/k/v row into heads
+    and rotates q and k as transformers does (q·cos + rotate_half(q)·sin); ``silu_mul_rows``
+    is F.silu(gate) · up. The same bits as the torch ops, two rows at once; bad shapes named."""
+    g = kern._mod()
+    if g is None:
+        pytest.skip("no C++ compiler")
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D = 2, 6, 2, 32
+    y = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=gen)
+    cos, sin = torch.randn(B, 1, D, generator=gen), torch.randn(B, 1, D, generator=gen)
+
+    def rope(t):  # transformers' rotate_half form with the sign folded into sin (as the step passes it)
+        half = D // 2
+        s = torch.cat([-sin[..., :half], sin[..., half:]], -1).unsqueeze(1)
+        return t * cos.unsqueeze(1) + torch.cat([t[..., half:], t[..., :half]], -1) * s
+
+    folded = torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], -1)
+    q, k, v = g.qkv_rope_rows(y, cos, folded, Hq, Hkv, D)
+    nq, nk = Hq * D, Hkv * D
+    assert torch.equal(q, rope(y[..., :nq].view(B, Hq, 1, D)))
+    assert torch.equal(k, rope(y[..., nq:nq + nk].view(B, Hkv, 1, D)))
+    assert torch.equal(v, y[..., nq + nk:].view(B, Hkv, 1, D))
+    gu = torch.randn(B, 1, 2 * 100, generator=gen) * 4
+    assert torch.equal(g.silu_mul_rows(gu), torch.nn.functional.silu(gu[..., :100]) * gu[..., 100:])
+    with pytest.raises(ValueError, match="qkv_rope_rows"):
+        g.qkv_rope_rows(y, cos, folded, Hq, Hkv + 1, D)
+    with pytest.raises(ValueError, match="silu_mul_rows"):
+        g.silu_mul_rows(torch.zeros(3, 5))

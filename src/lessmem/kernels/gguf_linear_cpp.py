@@ -63,7 +63,7 @@ _SOURCE_FILE = "gguf_linear.cpp"
 KERNEL_TYPES = (*GGUF_TYPES, "iq4_nl", "iq4_xs")
 
 _FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "register_ops", "gguf_linear_multi",
-          "rms_norm_rows", "rms_sum_width", "rope_rows"]
+          "rms_norm_rows", "rms_sum_width", "rope_rows", "qkv_rope_rows", "silu_mul_rows"]
 _FLAGS = ["-ffp-contract=off"]  # decoders must not fuse d*q + m into one rounding
 
 

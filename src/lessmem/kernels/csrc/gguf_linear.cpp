@@ -808,25 +808,71 @@ torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
 // The rotary embedding of queries or keys x [B, n, 1, D] (made contiguous first): x·cos + swap(x)·sin with swap the two halves exchanged
 // and sin sign-folded ([-sin_lo, sin_hi]), cos/sin [B, 1, 1, D] (or [B, 1, D]): the
 // multiplies and the add of transformers' q·cos + rotate_half(q)·sin, one rounding each.
+static void rope_row(const float* r, const float* c, const float* s, float* o, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) o[d] = r[d] * c[d] + r[d + half] * s[d];
+  for (int64_t d = half; d < D; ++d) o[d] = r[d] * c[d] + r[d - half] * s[d];
+}
+
+static void check_rope_tables(const torch::Tensor& cos, const torch::Tensor& sin, int64_t B, int64_t D,
+                              const char* fn) {
+  LM_CHECK_VALUE(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_cpu()
+                 && sin.is_cpu() && cos.numel() == B * D && sin.numel() == B * D && D % 2 == 0,
+                 fn, ": cos and sin must be float32 on the CPU holding B x D = ", B * D, " values (D even)");
+}
+
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  LM_CHECK_VALUE(x.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32
-                 && sin.scalar_type() == torch::kFloat32 && x.dim() == 4 && x.size(2) == 1
-                 && x.is_cpu() && cos.is_cpu() && sin.is_cpu(),
-                 "rope_rows: x must be float32 [B, heads, 1, D] and cos/sin float32, on the CPU");
-  const int64_t B = x.size(0), H = x.size(1), D = x.size(3), half = D / 2;
-  LM_CHECK_VALUE(cos.numel() == B * D && sin.numel() == B * D && D % 2 == 0,
-                 "rope_rows: cos and sin must hold B x D = ", B * D, " values (D even)");
+  LM_CHECK_VALUE(x.scalar_type() == torch::kFloat32 && x.dim() == 4 && x.size(2) == 1 && x.is_cpu(),
+                 "rope_rows: x must be float32 [B, heads, 1, D] on the CPU");
+  const int64_t B = x.size(0), H = x.size(1), D = x.size(3);
+  check_rope_tables(cos, sin, B, D, "rope_rows");
   auto xc = x.contiguous(); auto cc = cos.contiguous(); auto sc = sin.contiguous();
   auto out = torch::empty_like(xc);
   const float* xp = xc.data_ptr<float>(); const float* cp = cc.data_ptr<float>(); const float* sp = sc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* r = xp + (b * H + h) * D; float* o = op + (b * H + h) * D;
-      const float* c = cp + b * D; const float* s = sp + b * D;
-      for (int64_t d = 0; d < half; ++d) o[d] = r[d] * c[d] + r[d + half] * s[d];
-      for (int64_t d = half; d < D; ++d) o[d] = r[d] * c[d] + r[d - half] * s[d];
-    }
+    for (int64_t h = 0; h < H; ++h) rope_row(xp + (b * H + h) * D, cp + b * D, sp + b * D, op + (b * H + h) * D, D);
+  return out;
+}
+
+// One decode token's fused q/k/v projection y [B, 1, (Hq + 2·Hkv)·D] (gguf_linear_multi's
+// columns: q, k, v) split into heads, q and k rotated as rope_rows does (the same bits):
+// {q [B, Hq, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, D] (a view of y)}. One call where the
+// step made three slices, three views and two rope_rows calls.
+std::vector<torch::Tensor> qkv_rope_rows(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
+                                         int64_t Hkv, int64_t D) {
+  LM_CHECK_VALUE(y.scalar_type() == torch::kFloat32 && y.dim() == 3 && y.size(1) == 1 && y.is_cpu()
+                 && y.is_contiguous() && Hq > 0 && Hkv > 0 && D > 0 && y.size(2) == (Hq + 2 * Hkv) * D,
+                 "qkv_rope_rows: y must be contiguous float32 [B, 1, (Hq + 2 Hkv) D] on the CPU");
+  const int64_t B = y.size(0), N = y.size(2);
+  check_rope_tables(cos, sin, B, D, "qkv_rope_rows");
+  auto cc = cos.contiguous(); auto sc = sin.contiguous();
+  auto q = torch::empty({B, Hq, 1, D}, y.options()), k = torch::empty({B, Hkv, 1, D}, y.options());
+  const float* yp = y.data_ptr<float>(); const float* cp = cc.data_ptr<float>(); const float* sp = sc.data_ptr<float>();
+  float* qp = q.data_ptr<float>(); float* kp = k.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h) rope_row(yp + b * N + h * D, cp + b * D, sp + b * D, qp + (b * Hq + h) * D, D);
+    for (int64_t h = 0; h < Hkv; ++h)
+      rope_row(yp + b * N + (Hq + h) * D, cp + b * D, sp + b * D, kp + (b * Hkv + h) * D, D);
+  }
+  auto v = y.narrow(2, (Hq + Hkv) * D, Hkv * D).view({B, Hkv, 1, D});
+  return {q, k, v};
+}
+
+// silu(y[..., :n]) · y[..., n:] for y [..., 2n] (the fused gate/up output): torch's own silu
+// (at::silu on the same view, so the same bits as F.silu) and the product in one loop, where
+// the step made two slices, a silu and a mul.
+torch::Tensor silu_mul_rows(torch::Tensor y) {
+  LM_CHECK_VALUE(y.scalar_type() == torch::kFloat32 && y.dim() >= 1 && y.size(-1) % 2 == 0 && y.is_cpu()
+                 && y.is_contiguous(), "silu_mul_rows: y must be contiguous float32 [..., 2n] on the CPU");
+  const int64_t n = y.size(-1) / 2, R = n > 0 ? y.numel() / (2 * n) : 0;
+  auto g = at::silu(y.narrow(-1, 0, n)).contiguous();
+  auto shape = y.sizes().vec();
+  shape.back() = n;
+  auto out = torch::empty(shape, y.options());
+  const float* gp = g.data_ptr<float>(); const float* yp = y.data_ptr<float>(); float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < n; ++i) op[r * n + i] = gp[r * n + i] * yp[r * 2 * n + n + i];
   return out;
 }
 
