@@ -8,16 +8,19 @@ much time as the fused weight kernels themselves. ``lean_decode(model)`` replace
 decode steps only, the model's forward with a straight walk over its layers that calls
 the same weights and the same cache:
 
-- RMSNorm as one call (float32 on the CPU: ``rms_norm_rows`` in C++, elsewhere
-  ``torch.rms_norm``; other dtypes follow transformers' float32 round trip), the rotary
-  embedding on a sign-folded sine (``rope_rows`` in C++ on the CPU), bit-identical to
-  transformers';
+- RMSNorm as one call (float32 on the CPU: ``rms_norm_rows`` in C++, which adds the squares
+  in ``at::sum``'s own order; elsewhere ``torch.rms_norm``; other dtypes follow
+  transformers' float32 round trip), the rotary embedding on a sign-folded sine
+  (``rope_rows`` in C++ on the CPU), bit-identical to transformers';
 - each projection called directly: a ``GGUFLinear`` through its op
   (``torch.ops.lessmem.gguf_linear``), anything else as its module; on the CPU, q/k/v and
   gate/up of ``GGUFLinear`` layers as one C++ call each (``gguf_linear_multi``: one
-  parallel region instead of three or two, the same columns bit for bit);
-- attention straight from the cache: a lessmem cache's layer view (``attend``, the fused
-  kernel over quantized blocks) or, for ``DynamicCache``, one SDPA call with GQA over its
+  parallel region instead of three or two, the same columns bit for bit, llama.cpp's
+  permuted q/k rows gathered in the call), the q/k/v row split into heads and rotated in
+  one more (``qkv_rope_rows``), ``silu(gate) · up`` in one (``silu_mul_rows``);
+- attention straight from the cache: a lessmem layer appends the token and attends in one
+  call (``QuantizedKVLayer.decode_row``: the fused kernel over its quantized blocks, no
+  view object in between) or, for ``DynamicCache``, one SDPA call with GQA over its
   layer, which grows in place (``_dynamic_append``) instead of being copied whole each step;
 - after a prefill chunk into such a cache (the model's forward), the pages its
   activations freed go back to the operating system (``base.cpu.trim_heap``), so they do

@@ -306,3 +306,20 @@ def test_batch_of_requests_refuses_mixed_formats_and_bad_pieces():
         torch.testing.assert_close(got[0], want[0])
     mixed = fused_attention_batch(q[:1], q[:1], [a], [[(k, v.half())]])
     torch.testing.assert_close(mixed[1], want[1], atol=1e-3, rtol=1e-3)
+
+
+def test_rows_call_scales_and_sums_as_torch_would():
+    """``fused_attention_rows`` (the lean step's one call: q scaled inside, the two parts
+    summed inside) equals the batch call on ``q * scale`` (torch's multiply) with
+    ``out_f + out_h`` (torch's add), bit for bit."""
+    from lessmem.kernels.attention import cpp_available, fused_attention_batch, fused_attention_rows
+
+    if not cpp_available():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(5)
+    kv = QuantKV(_side(g, 1, 2, 96, 64, 4, 1, 64, "zp"), _side(g, 1, 2, 96, 64, 4, 1, 64, "zp"))
+    cur = [(torch.randn(1, 2, 7, 64, generator=g), torch.randn(1, 2, 7, 64, generator=g))]
+    q = torch.randn(1, 4, 64, generator=g)
+    scale = 0.1234567891234  # not a float32 number: rounded once, as torch does
+    out_h, out_f = fused_attention_batch(q * scale, q * scale, [kv], [cur])
+    assert torch.equal(fused_attention_rows(q, scale, None, None, [kv], [cur]), out_f + out_h)

@@ -1121,10 +1121,18 @@ torch::Tensor qattn_rows(
                 || (m == &rk && m->dim() == 3 && m->size(0) == q.size(1) && m->size(1) == D && m->size(2) == D
                     && m->scalar_type() == torch::kFloat32 && m->is_contiguous()),
                 "qattn_rows: rotation matrices must be contiguous float32 [D, D] (keys: or [Hq, D, D]), or empty");
-  auto qf = (q.to(torch::kFloat32) * scale).contiguous();
+  // q · scale as torch multiplies a float32 tensor by a double (the scale rounded to float
+  // once, one product each) and out_f + out_h below: loops, not two more tensor ops a layer
+  auto qc = q.to(torch::kFloat32).contiguous();
+  auto qf = torch::empty_like(qc);
+  const float s = (float)scale;
+  const float* qp = qc.data_ptr<float>(); float* fp = qf.data_ptr<float>();
+  for (int64_t i = 0, n = qc.numel(); i < n; ++i) fp[i] = qp[i] * s;
   auto qh = rk.numel() ? rows_times(qf, rk) : qf;
   auto outs = qattn_batch(qh, qf, tables, Hkv, klut, kpack, kbits, ktg, kdg, kzc, vlut, vpack, vbits, vtg, vdg,
                           vzc, seg, fk, fv, nsplit);
   auto out_h = rv.numel() ? rows_times(outs[0], rv) : outs[0];
-  return outs[1].add_(out_h);
+  float* op = outs[1].data_ptr<float>(); const float* hp = out_h.data_ptr<float>();
+  for (int64_t i = 0, n = outs[1].numel(); i < n; ++i) op[i] += hp[i];
+  return outs[1];
 }
