@@ -172,7 +172,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             pieces = [p for p in (self.sinks, self.window) if p[0].shape[2]]
             pieces.append((key_states, value_states))
             Hq, D = q.shape[1], q.shape[3]
-            out = attend_rows(self, q.view(1, Hq, D), scaling, [hist], [pieces])
+            out = attend_rows(self, q.reshape(1, Hq, D), scaling, [hist], [pieces])
             if out is not None:
                 self._append(key_states, value_states)
                 out = out.view(1, Hq, 1, D)
