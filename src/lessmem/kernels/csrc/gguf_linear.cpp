@@ -805,9 +805,9 @@ torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// The rotary embedding of queries or keys x [B, n, 1, D] (made contiguous first): x·cos + swap(x)·sin with swap the two halves exchanged
-// and sin sign-folded ([-sin_lo, sin_hi]), cos/sin [B, 1, 1, D] (or [B, 1, D]): the
-// multiplies and the add of transformers' q·cos + rotate_half(q)·sin, one rounding each.
+// One head's rotary embedding: x·cos + swap(x)·sin, swap exchanging the two halves and sin
+// sign-folded ([-sin_lo, sin_hi]): the multiplies and the add of transformers'
+// q·cos + rotate_half(q)·sin, one rounding each.
 static void rope_row(const float* r, const float* c, const float* s, float* o, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < half; ++d) o[d] = r[d] * c[d] + r[d + half] * s[d];
@@ -821,6 +821,8 @@ static void check_rope_tables(const torch::Tensor& cos, const torch::Tensor& sin
                  fn, ": cos and sin must be float32 on the CPU holding B x D = ", B * D, " values (D even)");
 }
 
+// The rotary embedding of queries or keys x [B, n, 1, D] (made contiguous first), cos/sin
+// [B, 1, 1, D] (or [B, 1, D]), each head by rope_row.
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   LM_CHECK_VALUE(x.scalar_type() == torch::kFloat32 && x.dim() == 4 && x.size(2) == 1 && x.is_cpu(),
                  "rope_rows: x must be float32 [B, heads, 1, D] on the CPU");
