@@ -89,8 +89,16 @@ inline float exp_rows(float* __restrict__ s, int64_t n, float m) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Lane j of the result = the sum of a[j]'s eight lanes, ((0+1)+(2+3))+((4+5)+(6+7)), by a
+// transposing tree of horizontal adds (no serial reduction per sum).
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // Eight dot products q·k_j of length D (a multiple of 8) at once, k_j = k + j·D: one
-// accumulator per key row, then a transposing horizontal add (no serial reduction per dot).
+// accumulator per key row, then hsum8x8.
 inline void dot8(const float* __restrict__ q, const float* __restrict__ k, int64_t D, float* __restrict__ out) {
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
@@ -98,9 +106,16 @@ inline void dot8(const float* __restrict__ q, const float* __restrict__ k, int64
     const __m256 qv = _mm256_loadu_ps(q + d);
     for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * D + d), a[j]);
   }
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  _mm256_storeu_ps(out, hsum8x8(a));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight 3-bit codes of a stream row from their three bytes: one broadcast, shifted per lane.
+inline __m256i stream3_codes8(const uint8_t* b) {
+  const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+  const int w = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), _mm256_set1_epi32(7));
 }
 #endif
 
@@ -182,13 +197,22 @@ inline float scale_weights(const float* __restrict__ p, const float* __restrict_
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define LM_AVX512 1
-// Row layouts of 64 channels the AVX-512 path unpacks in registers (formats/kvlayout.py):
-// split rows of 8, 4 or 2 bits (byte j: channels j, j + 64/p, ... for p codes a byte) and
-// little-endian bit streams of 2, 3 or 4 bits (8-bit streams are split rows). Every layout
-// of the same codes then computes the same sums.
+#endif
+#if defined(LM_AVX512) || (defined(__AVX2__) && defined(__FMA__))
+// The folded paths that unpack code rows in registers: AVX-512 (16 lanes) or its AVX2 twin.
+#define LM_FOLD 1
+// Row layouts of 64 channels they unpack (formats/kvlayout.py): split rows of 8, 4 or 2
+// bits (byte j: channels j, j + 64/p, ... for p codes a byte) and little-endian bit streams
+// of 2, 3 or 4 bits (8-bit streams are split rows). Every layout of the same codes then
+// computes the same sums.
 enum RowKind { ROW_NONE = 0, ROW_SPLIT8, ROW_SPLIT4, ROW_SPLIT2, ROW_STREAM3, ROW_STREAM2, ROW_STREAM4 };
 
 inline int load_u32(const uint8_t* p) { uint32_t w; std::memcpy(&w, p, 4); return (int)w; }
+#endif
+
+#ifdef LM_AVX512
+// query rows a scores_fold / pv_fold call takes at once
+constexpr int SCORE_ROWS = 4, PV_ROWS = 4;
 
 // A side's 64 codes as four vectors of 16 floats: channels 0-15, 16-31, 32-47, 48-63.
 template <int L>
@@ -293,13 +317,113 @@ inline void pv_fold(float* acc, const float* w, int64_t ld, const uint8_t* codes
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + r * 64 + 16 * k, a[r][k]);
 }
 
-// The two above over any number of rows, four at a time.
+#elif defined(LM_FOLD)
+// The AVX2 twin of the above, eight lanes: a 64-channel row is eight blocks of 8 channels,
+// each unpacked when used (code8), so only the block in use takes a register. The sums are
+// the ones the unfolded AVX2 path computes from float rows (dot8's chain and tree per key,
+// pv_rows' token-ordered multiply-adds per value lane; only a tile's last n mod 8 keys, which
+// that path summed in a scalar loop, may differ in the last bit), without writing those rows.
+constexpr int SCORE_ROWS = 4, PV_ROWS = 4;
+
+// channels 8k .. 8k+7 of a 64-channel code row as floats
+template <int L>
+inline __m256 code8(const uint8_t* p, int k) {
+  if (L == ROW_SPLIT8)
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * k))));
+  if (L == ROW_SPLIT4) {  // byte j: channel j (low nibble), j + 32 (high)
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (k & 3))));
+    return _mm256_cvtepi32_ps(k < 4 ? _mm256_and_si256(a, _mm256_set1_epi32(15)) : _mm256_srli_epi32(a, 4));
+  }
+  if (L == ROW_SPLIT2) {  // byte j: channels j, j + 16, j + 32, j + 48
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (k & 1))));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(a, 2 * (k >> 1)), _mm256_set1_epi32(3)));
+  }
+  if (L == ROW_STREAM2) {  // 8 codes in 2 bytes
+    const int w = (int)((unsigned)p[2 * k] | ((unsigned)p[2 * k + 1] << 8));
+    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), _mm256_set1_epi32(3)));
+  }
+  if (L == ROW_STREAM4) {  // 8 codes in 4 bytes
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(load_u32(p + 4 * k)), sh), _mm256_set1_epi32(15)));
+  }
+  return _mm256_cvtepi32_ps(stream3_codes8(p + 3 * k));  // ROW_STREAM3: 8 codes in 3 bytes
+}
+
+// sc[r·ld + i] = q[r]·c_i for the n code rows c_i (rb bytes apart), R query rows: eight
+// keys at a time, each key's blocks multiplied into one accumulator per row, then hsum8x8.
+template <int L, int R>
+inline void scores_fold(const float* const* q, const uint8_t* codes, int64_t rb, int64_t n, float* sc, int64_t ld) {
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i0);
+    __m256 v[R][8];
+    for (int64_t i = 0; i < 8; i += 2) {  // two keys at a time: 2R independent chains, one q load for both
+      __m256 a0[R], a1[R];
+      for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+      if (i < m) {
+        const uint8_t* p0 = codes + (i0 + i) * rb;
+        const uint8_t* p1 = i + 1 < m ? p0 + rb : p0;  // (a lone last key: its result is not stored)
+        for (int k = 0; k < 8; ++k) {
+          const __m256 c0 = code8<L>(p0, k), c1 = code8<L>(p1, k);
+          for (int r = 0; r < R; ++r) {
+            const __m256 qk = _mm256_loadu_ps(q[r] + 8 * k);
+            a0[r] = _mm256_fmadd_ps(qk, c0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(qk, c1, a1[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) { v[r][i] = a0[r]; v[r][i + 1] = a1[r]; }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = hsum8x8(v[r]);
+      if (m == 8) { _mm256_storeu_ps(sc + r * ld + i0, s); continue; }
+      alignas(32) float t[8];
+      _mm256_store_ps(t, s);
+      std::copy(t, t + m, sc + r * ld + i0);
+    }
+  }
+}
+
+// acc[r·64 : (r+1)·64] += Σ_i w[r·ld + i]·c_i over the n code rows, R rows, in passes over
+// NB blocks of 8 channels: a pass keeps its R×NB accumulators in registers across the rows.
+// NB is the most that fits with the code block, the R weights and a mask (none may spill:
+// a spilled accumulator chains every multiply-add through a store) and still keeps 8 or more
+// independent accumulators (two FMA units of 4 cycles' latency) unless R·8 < 8.
+template <int R> constexpr int pv_pass_blocks() { return R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : 2; }
+template <int L, int R, int Q0, int NB>
+inline void pv_fold_pass(float* acc, const float* w, int64_t ld, const uint8_t* codes, int64_t rb, int64_t n) {
+  __m256 a[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NB; ++k) a[r][k] = _mm256_loadu_ps(acc + r * 64 + 8 * (Q0 + k));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* p = codes + i * rb;
+    __m256 b[R];
+    for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(w + r * ld + i);
+    for (int k = 0; k < NB; ++k) {
+      const __m256 c = code8<L>(p, Q0 + k);
+      for (int r = 0; r < R; ++r) a[r][k] = _mm256_fmadd_ps(b[r], c, a[r][k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NB; ++k) _mm256_storeu_ps(acc + r * 64 + 8 * (Q0 + k), a[r][k]);
+}
+template <int L, int R, int Q0 = 0>
+inline void pv_fold(float* acc, const float* w, int64_t ld, const uint8_t* codes, int64_t rb, int64_t n) {
+  constexpr int NB = pv_pass_blocks<R>() < 8 - Q0 ? pv_pass_blocks<R>() : 8 - Q0;
+  pv_fold_pass<L, R, Q0, NB>(acc, w, ld, codes, rb, n);
+  if constexpr (Q0 + NB < 8) pv_fold<L, R, Q0 + NB>(acc, w, ld, codes, rb, n);
+}
+#endif
+
+#ifdef LM_FOLD
+// The two above over any number of rows, SCORE_ROWS / PV_ROWS at a time.
 template <int L>
 void scores_fold_rows(const float* const* q, int64_t rows, const uint8_t* codes, int64_t rb, int64_t n, float* sc,
                       int64_t ld) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+  for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
     const float* const* qr = q + r0; float* s = sc + r0 * ld;
-    switch (std::min<int64_t>(4, rows - r0)) {
+    switch (std::min<int64_t>(SCORE_ROWS, rows - r0)) {
       case 1: scores_fold<L, 1>(qr, codes, rb, n, s, ld); break;
       case 2: scores_fold<L, 2>(qr, codes, rb, n, s, ld); break;
       case 3: scores_fold<L, 3>(qr, codes, rb, n, s, ld); break;
@@ -309,9 +433,9 @@ void scores_fold_rows(const float* const* q, int64_t rows, const uint8_t* codes,
 }
 template <int L>
 void pv_fold_rows(float* acc, int64_t rows, const float* w, int64_t ld, const uint8_t* codes, int64_t rb, int64_t n) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+  for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) {
     float* a = acc + r0 * 64; const float* wr = w + r0 * ld;
-    switch (std::min<int64_t>(4, rows - r0)) {
+    switch (std::min<int64_t>(PV_ROWS, rows - r0)) {
       case 1: pv_fold<L, 1>(a, wr, ld, codes, rb, n); break;
       case 2: pv_fold<L, 2>(a, wr, ld, codes, rb, n); break;
       case 3: pv_fold<L, 3>(a, wr, ld, codes, rb, n); break;
@@ -347,13 +471,6 @@ struct QSide {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Eight 3-bit codes of a stream row from their three bytes: one broadcast, shifted per lane.
-inline __m256i stream3_codes8(const uint8_t* b) {
-  const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-  const int w = (int)((unsigned)b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16));
-  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), _mm256_set1_epi32(7));
-}
-
 // Levels of 8 codes (ints 0..15 in the lanes) from a table of at most 16 in two registers:
 // a permute each, a blend on the index (one permute when the table has 8 entries or fewer).
 template <int BITS>
@@ -586,8 +703,8 @@ struct RowDecoder {
   }
 };
 
-#ifdef LM_AVX512
-// The row layout codes64 reads for a side of D channels, or ROW_NONE (a level table, a mixed row).
+#ifdef LM_FOLD
+// The row layout the folded paths read for a side of D channels, or ROW_NONE (a level table, a mixed row).
 inline int row_kind(const QSide& q, int64_t D) {
   if (D != 64 || q.lut) return ROW_NONE;
   if (q.packing == PACK_SPLIT)
@@ -747,8 +864,8 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     if (t0 >= t1) continue;
     const bool kf = kfold && !fp, vf = vfold && !fp, kft = kfold_tok && !fp;
     const int64_t Dk = kf ? K.dkeep : D;  // key row length in the tile (folded mixed keys: no 0-bit tail)
-#ifdef LM_AVX512
-    // folded keys and values of 64 channels in a layout codes64 reads (best-4, best-2, int8,
+#ifdef LM_FOLD
+    // folded keys and values of 64 channels in a layout the folded paths read (best-4, best-2, int8,
     // int4, kivi): unpacked in registers and used there (scores_fold / pv_fold), no float
     // rows in between
     const int kkind = row_kind(K, D), vkind = row_kind(V, D);
@@ -822,7 +939,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
           kz[r] = off;
         }
       }
-#ifdef LM_AVX512
+#ifdef LM_FOLD
       // each token's score is computed alone (its own chain and tree), so a tile crossing a
       // segment boundary is scored run by run with the same result
       for (int64_t t = ts, e; fast && t < ts + n; t = e) {
@@ -876,7 +993,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
         l[r] += exp_rows(sc.data() + r * TILE, n, mnew);
       }
       if (vf) vd.token_scales(ts, n, va.data(), vz.data());  // folded values: per-token scales
-#ifdef LM_AVX512
+#ifdef LM_FOLD
       if (fast) {
         for (int64_t r = 0; r < rows; ++r)
           zs[r] += scale_weights(sc.data() + r * TILE, va.data(), vz.data(), wall.data() + r * TILE, n);
