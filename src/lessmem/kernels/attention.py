@@ -179,8 +179,14 @@ def cpp_available() -> bool:
 
 
 def _n_split(B: int, H: int, T: int) -> int:
+    """Splits of each (batch, KV head)'s history: about 4 work items per thread, their
+    count rounded up to a multiple of the threads (3 KV heads on 2 threads: 4 splits, not 3,
+    which left one thread idle for a fifth of the call), none shorter than 128 tokens."""
     threads = torch.get_num_threads()
-    want = max(1, -(-4 * threads // (B * H)))
+    bh = B * H
+    want = max(1, -(-4 * threads // bh))
+    while (want * bh) % threads and want < 4 * threads:
+        want += 1
     return max(1, min(want, T // 128 or 1))
 
 
