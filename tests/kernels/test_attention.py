@@ -57,14 +57,15 @@ FOLDED = {  # (keys, values) as (bits, tg, dg, kind): the layouts the AVX-512 pa
     "int4": ((4, 1, 64, "zp"), (4, 1, 64, "zp"))}
 
 
+@pytest.mark.parametrize("Hq", [3, 9])
 @pytest.mark.parametrize("Tq", [1, 2, 5])
 @pytest.mark.parametrize("layout", list(FOLDED))
-def test_folded_layouts_match_reference(Tq, layout):
-    """Keys folded per channel or per token, values folded per token, 64 channels: 3, 6 and
-    15 query rows per KV head (row blocks of four and their remainders), segments of 128
-    tokens, a masked row."""
-    g = torch.Generator().manual_seed(Tq * 10 + len(layout))
-    B, Hkv, Hq, T, D = 1, 3, 9, 384, 64
+def test_folded_layouts_match_reference(Hq, Tq, layout):
+    """Keys folded per channel or per token, values folded per token, 64 channels: 1, 2, 5,
+    3, 6 and 15 query rows per KV head (the register paths' row blocks of up to four and
+    their remainders), segments of 128 tokens, a masked row."""
+    g = torch.Generator().manual_seed(Tq * 10 + len(layout) + Hq)
+    B, Hkv, T, D = 1, 3, 384, 64
     (kb, ktg, kdg, kk), (vb, vtg, vdg, vk) = FOLDED[layout]
     kv = QuantKV(_side(g, B, Hkv, T, D, kb, ktg, kdg, kk), _side(g, B, Hkv, T, D, vb, vtg, vdg, vk))
     q = torch.randn(B, Hq, Tq, D, generator=g) * 0.1
@@ -80,6 +81,27 @@ def test_folded_layouts_match_reference(Tq, layout):
     if ktg == 1:  # 16-token segments: tiles of 32 cross them, and compute as the joined history
         outs.append(quantized_attention(q, _segments(kv, list(range(0, T + 1, 16)), 16), mask, use_cpp=True)[0])
     assert all(torch.equal(o, outs[0]) for o in outs[1:])  # segments change nothing, bit for bit
+
+
+def test_splits_fill_the_threads_evenly():
+    """Each (batch, KV head)'s history is split so that the work items are a multiple of the
+    threads (3 KV heads on 2 threads: 4 splits, not 3, which left a thread idle), about four
+    a thread, and no split is shorter than 128 tokens."""
+    from lessmem.kernels.attention import _n_split
+
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4, 8):
+            torch.set_num_threads(threads)
+            for bh in range(1, 13):
+                n = _n_split(1, bh, 1 << 20)
+                assert (n * bh) % threads == 0 and n * bh >= min(4 * threads, bh), (threads, bh, n)
+                assert n <= 4 * threads
+                assert _n_split(1, bh, 300) <= 2 and _n_split(1, bh, 100) == 1
+        torch.set_num_threads(2)
+        assert _n_split(1, 3, 16384) == 4 and _n_split(2, 3, 16384) == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_cpp_kernel_builds_here():
