@@ -390,9 +390,9 @@ inline void scores_fold(const float* const* q, const uint8_t* codes, int64_t rb,
 
 // acc[r·64 : (r+1)·64] += Σ_i w[r·ld + i]·c_i over the n code rows, R rows, in passes over
 // NB blocks of 8 channels: a pass keeps its R×NB accumulators in registers across the rows.
-// NB is the most that fits with the code block, the R weights and a mask (none may spill:
-// a spilled accumulator chains every multiply-add through a store) and still keeps 8 or more
-// independent accumulators (two FMA units of 4 cycles' latency) unless R·8 < 8.
+// NB is the most that fits in the 16 registers with the code block, the R weights and a mask
+// (none may spill: a spilled accumulator chains every multiply-add through a store), and
+// R·NB >= 8 independent accumulators keep two FMA units of 4 cycles' latency busy.
 template <int R> constexpr int pv_pass_blocks() { return R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : 2; }
 template <int L, int R, int Q0, int NB>
 inline void pv_fold_pass(float* acc, const float* w, int64_t ld, const uint8_t* codes, int64_t rb, int64_t n) {

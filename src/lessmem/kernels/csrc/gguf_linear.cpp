@@ -412,9 +412,9 @@ static inline float hsum8(__m256 v) {
 #endif
 
 // R weight rows (rb bytes apart) against one quantized x row: out[r] = row r · x. Each row
-// runs the operations row_dot_q8 runs, in the same order (the same sums bit for bit); R > 1
-// interleaves rows so their chains of dependent multiply-adds overlap and share x's loads
-// (one row alone waited on its own chains: ~7 cycles a block of 32 weights).
+// runs the same operations in the same order whatever R is (the same sums bit for bit);
+// R > 1 interleaves rows so their chains of dependent multiply-adds overlap and share x's
+// loads (one row alone waited on its own chains: ~7 cycles a block of 32 weights).
 template <int T, int R>
 static inline void rows_dot_q8(const uint8_t* row, int64_t rb, const int8_t* xq, const float* xd, const float* xs,
                                int64_t nb, float* out) {
