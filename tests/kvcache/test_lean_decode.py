@@ -354,3 +354,24 @@ def test_sees_int8_activations_switched_after_the_switch(sdpa_as_transformers):
     handle.disable()
     ref, _ = _decode(model, DynamicCache(), lean=False)
     assert handle.steps == 2 * len(STEPS) and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "best-4", "gguf+best-4"])
+def test_bf16_embedding_with_float32_layers(kind, sdpa_as_transformers):
+    """An embedding kept in bf16 before float32 layers (the step decides its C++ glue once,
+    from the embedding's dtype, so the whole step takes the torch ops, with GGUF linears
+    their fused q/k/v and gate/up calls split in torch): the same logits as transformers'
+    forward (bit for bit with a lessmem cache)."""
+    model = tiny_random("llama", hidden_size=64, intermediate_size=128)
+    if kind.startswith("gguf+"):
+        lessmem.quantize_(model, lessmem.GGUFConfig("Q4_0"))
+        kind = kind[5:]
+    model.model.embed_tokens.to(torch.bfloat16)
+    ref, _ = _decode(model, _cache(model, kind), lean=False)
+    got, handle = _decode(model, _cache(model, kind), lean=True)
+    assert handle.steps == len(STEPS) and got.dtype == ref.dtype == torch.float32
+    if kind == "dynamic":
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    else:
+        assert torch.equal(got, ref)
