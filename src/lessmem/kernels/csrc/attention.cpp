@@ -841,7 +841,13 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
   for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + jobs[j].B * Hkv * (jobs[j].nsplit + 1);
   const int64_t items = first.back();
 
-#pragma omp parallel for schedule(dynamic, 1)
+  std::vector<int64_t> firstbh(jobs.size() + 1, 0);  // first (b, h) of each job, for the merge
+  for (size_t j = 0; j < jobs.size(); ++j) firstbh[j + 1] = firstbh[j] + jobs[j].B * Hkv;
+  // one parallel region for the items and their merge (two cost a second fork and join,
+  // a few µs of a short history's call)
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
   for (int64_t gi = 0; gi < items; ++gi) {
     const size_t j = std::upper_bound(first.begin(), first.end(), gi) - first.begin() - 1;
     const Job& J = jobs[j];
@@ -1038,10 +1044,9 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     std::copy(acc, acc + rows * D, J.pa + it * rows * D);
   }
 
-  // merge: M = max_s m_s, L = Σ_s l_s e^{m_s − M}, out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
-  std::vector<int64_t> firstbh(jobs.size() + 1, 0);
-  for (size_t j = 0; j < jobs.size(); ++j) firstbh[j + 1] = firstbh[j] + jobs[j].B * Hkv;
-#pragma omp parallel for schedule(static)
+  // merge (after the loop's barrier): M = max_s m_s, L = Σ_s l_s e^{m_s − M},
+  // out = Σ_s acc_s e^{m_s − M} / L, lse = M + log L
+#pragma omp for schedule(static)
   for (int64_t gbh = 0; gbh < firstbh.back(); ++gbh) {
     const size_t j = std::upper_bound(firstbh.begin(), firstbh.end(), gbh) - firstbh.begin() - 1;
     const Job& J = jobs[j];
@@ -1070,6 +1075,7 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
       if (J.lse) J.lse[(b * Hq + hq) * Tq + tq] = M + std::log(L);
     }
   }
+  }  // omp parallel
 }
 
 void run_jobs(const std::vector<Job>& jobs, int64_t D, int64_t Hq, int64_t Hkv) {
