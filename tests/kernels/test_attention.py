@@ -51,7 +51,7 @@ def test_fused_matches_reference(bits, tg, dg, kind, use_cpp):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
 
-FOLDED = {  # (keys, values) as (bits, tg, dg, kind): the layouts the AVX-512 path reads in registers
+FOLDED = {  # (keys, values) as (bits, tg, dg, kind): the layouts the register paths (AVX-512, AVX2) read
     "best-4": ((4, 64, 1, "zp"), (4, 1, 64, "zp")), "kivi-4": ((4, 32, 1, "zp"), (4, 1, 64, "zp")),
     "best-2": ((3, 64, 1, "zp"), (2, 1, 64, "zp")), "int8": ((8, 1, 64, "sym"), (8, 1, 64, "sym")),
     "int4": ((4, 1, 64, "zp"), (4, 1, 64, "zp"))}
