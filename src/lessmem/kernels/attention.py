@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -184,9 +185,8 @@ def _n_split(B: int, H: int, T: int) -> int:
     which left one thread idle for a fifth of the call), none shorter than 128 tokens."""
     threads = torch.get_num_threads()
     bh = B * H
-    want = max(1, -(-4 * threads // bh))
-    while (want * bh) % threads and want < 4 * threads:
-        want += 1
+    step = threads // math.gcd(bh, threads)  # bh · splits is a multiple of threads iff splits is one of step
+    want = -(-max(1, -(-4 * threads // bh)) // step) * step
     return max(1, min(want, T // 128 or 1))
 
 

@@ -59,9 +59,8 @@ inline __m256 exp_neg8(__m256 x) {
   return _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
 }
 
-// the eight lanes of v summed in pairs: ((0+1)+(2+3))+((4+5)+(6+7)), in registers (a
-// store and eight scalar loads cost a tenth of a 16k-token decode's attention: the loads
-// wait for the wide store)
+// the eight lanes of v summed in pairs: ((0+1)+(2+3))+((4+5)+(6+7)), in registers (read
+// back from a store as eight floats, the loads waited for the wide store)
 inline float hsum8(__m256 v) {
   const __m256 h = _mm256_hadd_ps(v, v);  // 128-bit halves: [0+1, 2+3, ..], [4+5, 6+7, ..]
   const __m256 q = _mm256_hadd_ps(h, h);  // lane 0: (0+1)+(2+3); lane 4: (4+5)+(6+7)

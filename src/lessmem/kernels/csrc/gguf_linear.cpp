@@ -414,7 +414,7 @@ static inline float hsum8(__m256 v) {
 // R weight rows (rb bytes apart) against one quantized x row: out[r] = row r · x. Each row
 // runs the same operations in the same order whatever R is (the same sums bit for bit);
 // R > 1 interleaves rows so their chains of dependent multiply-adds overlap and share x's
-// loads (one row alone waited on its own chains: ~7 cycles a block of 32 weights).
+// loads (one row alone waited on its own chains).
 template <int T, int R>
 static inline void rows_dot_q8(const uint8_t* row, int64_t rb, const int8_t* xq, const float* xd, const float* xs,
                                int64_t nb, float* out) {
@@ -485,11 +485,8 @@ static void fused_q8_rows(const XQ8& X, const uint8_t* w, float* y, int64_t ldy,
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     for (int r = 0; r < R; ++r) lm_prefetch_row_ahead(w + (n + r) * rb, rb);
-    for (int64_t m = 0; m < M; ++m) {
-      float o[R];
-      rows_dot_q8<T, R>(w + n * rb, rb, X.q.data() + m * K, X.d.data() + m * nb, X.s.data() + m * nb, nb, o);
-      for (int r = 0; r < R; ++r) y[m * ldy + n + r] = o[r];
-    }
+    for (int64_t m = 0; m < M; ++m)
+      rows_dot_q8<T, R>(w + n * rb, rb, X.q.data() + m * K, X.d.data() + m * nb, X.s.data() + m * nb, nb, y + m * ldy + n);
   }
   for (; n < n1; ++n) {
     lm_prefetch_row_ahead(w + n * rb, rb);
