@@ -345,3 +345,34 @@ def test_rows_call_scales_and_sums_as_torch_would():
     scale = 0.1234567891234  # not a float32 number: rounded once, as torch does
     out_h, out_f = fused_attention_batch(q * scale, q * scale, [kv], [cur])
     assert torch.equal(fused_attention_rows(q, scale, None, None, [kv], [cur]), out_f + out_h)
+
+
+MIXED = [(4,) * 8 + (3,) * 16 + (2,) * 24 + (0,) * 16, (8,) * 8 + (5,) * 8 + (1,) * 40 + (0,) * 8]
+
+
+@pytest.mark.parametrize("case", CASES + [("mixed", cb) for cb in MIXED])
+def test_to_float_decodes_as_the_reference(case):
+    # the prefill's slices of the history go to flash attention as floats: the C++ decoder
+    # (one allocation) must give what the reference dequantization gives, for every layout
+    # and for slices of a history (views: rows of each head not adjacent), odd lengths too
+    g = torch.Generator().manual_seed(7)
+    B, H, T, D = 2, 3, 192, 64
+    if case[0] == "mixed":
+        cb = case[1]
+        lay = KVLayout(bits=max(cb), head_dim=D, channel_group=1, token_group=32, has_zero_point=True,
+                       channel_bits=cb)
+        u = torch.stack([torch.randint(0, 2**b, (B, H, T), generator=g) for b in cb], -1)
+        zp = torch.randint(0, 4, (B, H, T // 32, D), dtype=torch.uint8, generator=g)
+        side = QuantSide(lay.pack(u), (torch.rand(B, H, T // 32, D, generator=g) * 0.2 + 0.01).half(), zp, lay)
+    else:
+        side = _side(g, B, H, T, D, *case)
+    for t0, t1 in [(0, T), (64, 192), (0, 96), (0, 37 if side.tg == 1 else 96)]:
+        s = side.slice_tokens(t0, t1)  # (a last group cut short: the reference reads whole groups)
+        ref = dequantize_side(side.slice_tokens(t0, -(-t1 // side.tg) * side.tg))[:, :, :t1 - t0]
+        got = s.to_float()
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=1e-6 * float(ref.abs().max()) + 1e-7, rtol=1e-6)
+        torch.testing.assert_close(s.dequantize(), ref, atol=1e-6 * float(ref.abs().max()) + 1e-7, rtol=1e-6)
+    if cpp_available():  # the C++ decoder ran: its output is the kernel's, not the torch path's
+        import lessmem.kernels.attention as A
+        assert A._module() is not None

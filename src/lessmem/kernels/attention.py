@@ -95,6 +95,21 @@ class QuantSide:
         """float32 [B, H, T, D] (the torch path; the test oracle is in ``attention_reference``)."""
         return self.layout.dequantize(self.codes, self.scale, self.zero_point)
 
+    def to_float(self) -> torch.Tensor:
+        """float32 [B, H, T, D] as the fused kernels decode it: on the CPU, the C++ decoder
+        (``qdequant``; its output is its one allocation, where :meth:`dequantize` makes int64
+        codes and a few more temporaries the output's size), else :meth:`dequantize`. The
+        two agree to the last bit or so (``s·c − s·z`` against ``s·(c − z)``)."""
+        mod = _module() if self.codes.device.type == "cpu" else None
+        if mod is None:
+            return self.dequantize()
+        lay = self.layout
+        lut = lay.lut("cpu")
+        return mod.qdequant(self.codes, self.scale, [] if self.zero_point is None else [self.zero_point],
+                            lut if lut is not None else torch.empty(0, dtype=torch.float32),
+                            PACKING_IDS[lay.packing], lay.kernel_bits, lay.token_group, lay.channel_group,
+                            lay.zero_const, lay.head_dim)
+
 
 @dataclass(frozen=True)
 class QuantKV:

@@ -279,7 +279,7 @@ class LayerView:
         qg = qh.reshape(B, Hkv, Hq // Hkv * Tq, D)  # query heads of one KV head as rows
         out_h = lse_h = None
         for ks, vs in self._history_slices():
-            o, l = _fp_attention(qg, ks.dequantize(), vs.dequantize(), None, scaling)  # as many heads
+            o, l = _fp_attention(qg, ks.to_float(), vs.to_float(), None, scaling)  # as many heads
             out_h, lse_h = (o, l) if out_h is None else _merge(out_h, lse_h, o, l)
         out_h = out_h.reshape(B, Hq, Tq, D)
         if self.rot_v is not None:

@@ -1122,6 +1122,33 @@ std::vector<torch::Tensor> qattn_forward(
   return {out_h, out_f, lse};
 }
 
+// One side's quantized tokens as float32 [B, H, T, D], decoded as the attention loop
+// decodes them (levels, then s·c − s·z): a long prefill chunk's slice of the history for
+// flash attention. The output is the one allocation (the torch path makes int64 codes and
+// a few temporaries of the output's size, the prefill's largest transient). codes
+// [B, H, T, rb], scale (and zp: one tensor, or none) [B, H, ceil(T / tg), D / dg].
+torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scale, std::vector<torch::Tensor> zp, torch::Tensor lut,
+                       int64_t packing, int64_t bits, int64_t tg, int64_t dg, double zc, int64_t D) {
+  LM_CHECK(codes.dim() == 4 && scale.dim() == 4 && zp.size() <= 1, "qdequant: codes and scale must be 4-D, "
+           "at most one zero point tensor");
+  LM_CHECK(D > 0 && tg > 0 && dg > 0 && D % dg == 0, "qdequant: head_dim ", D, " and channel group ", dg);
+  std::vector<torch::Tensor> keep;
+  keep.reserve(3);
+  const QSide S = make_side({codes}, {scale}, zp, lut, packing, bits, tg, dg, zc, (int)D, 0, keep);
+  const int64_t B = codes.size(0), H = codes.size(1), T = codes.size(2);
+  auto out = torch::empty({B, H, T, D}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  const int64_t step = tg > 1 ? tg * std::max<int64_t>(1, 256 / tg) : 256;  // tokens an item, whole groups
+  const int64_t per = (T + step - 1) / step, items = B * H * per;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t bh = i / per, t0 = (i % per) * step, t1 = std::min(T, t0 + step);
+    RowDecoder dec(S, (int)D, bh);
+    for (int64_t t = t0; t < t1; ++t) dec.decode<0>(t, o + (bh * T + t) * D);
+  }
+  return out;
+}
+
 // Decode rows of many requests at once (a serving step): request r has one query row
 // q[r] [Hq, D] (scaled, rotated like its keys) for its quantized history — its parts'
 // pointer table tables[r] (side_from_table; segments of seg[r] tokens, as in
