@@ -4,6 +4,7 @@ every supported architecture and cache, and the model's own forward wherever it 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
@@ -375,3 +376,27 @@ def test_bf16_embedding_with_float32_layers(kind, sdpa_as_transformers):
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
     else:
         assert torch.equal(got, ref)
+
+
+def test_heap_trimmed_after_each_step_that_moves_blocks_into_the_history(monkeypatch):
+    # the pieces a flush replaced go back to the OS once per flush, not every step (the trim
+    # costs ~3 ms): counted against the steps where the first layer's history grew
+    import lessmem.decode as dec
+
+    trims = []
+    monkeypatch.setattr(dec, "trim_heap", lambda: trims.append(1) or True)
+    model = tiny_random("llama")
+    cache = KVCache(model.config, dataclasses.replace(lessmem.kvcache.PRESETS["int8"], window=8, block_size=16))
+    with torch.no_grad(), enable(model), lean_decode(model) as handle:
+        model(PROMPT, cache=cache)
+        prefill_trims, grew = len(trims), 0
+        for t in range(40):
+            before = cache.layers[0].n_history
+            model(torch.tensor([[3 + t]]), cache=cache)
+            grew += cache.layers[0].n_history != before
+        other = KVCache(model.config, "int8")  # a new cache: its first step is no flush of the last one's
+        model(PROMPT[:, :4], cache=other)
+        n = len(trims)
+        model(torch.tensor([[5]]), cache=other)
+    assert handle.steps == 41 and prefill_trims == 1 and 2 <= grew < 40
+    assert n - prefill_trims == grew + 1 and len(trims) == n  # (+1: the second prefill)
