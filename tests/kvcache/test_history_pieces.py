@@ -72,3 +72,22 @@ def test_window_is_written_in_place_without_touching_earlier_views():
         x = torch.cat([ids[:, :18], ids[:, 21:30]], 1)
         model(x, cache=ref, use_cache=True)
     assert torch.equal(ref.layers[0].window[0], layer.window[0])
+
+
+def test_long_prefill_chunks_trim_the_heap_every_few_layers(monkeypatch):
+    # between layers of a long prefill chunk the heap's free pages go back to the OS (the
+    # chunk's peak RSS grew with depth); not for short chunks or decode rows (a trim is ~3 ms)
+    import lessmem.kvcache.layer as layer_mod
+
+    trims = []
+    monkeypatch.setattr(layer_mod, "trim_heap", lambda: trims.append(1) or True)
+    model = tiny_random("llama")
+    every, n = layer_mod.TRIM_EVERY_LAYERS, layer_mod.TRIM_MIN_TOKENS
+    cache = KVCache(model.config, resolve("best-4"))  # layer indices as a deep model has them
+    layers = [QuantizedKVLayer(cache.kv_config, i) for i in (every - 2, every - 1, 2 * every - 1, 2 * every)]
+    H, D = model.config.num_key_value_heads, model.config.head_dim
+    for tokens, want in ((n, 2), (n - 1, 0), (1, 0)):
+        trims.clear()
+        for layer in layers:
+            layer.update(torch.randn(1, H, tokens, D), torch.randn(1, H, tokens, D))
+        assert len(trims) == want, tokens
