@@ -14,8 +14,10 @@ as llama.cpp is fed ids too: the RSS its HF tokenizer adds, measured after the r
 reported beside it), the RSS of the bare imports measured by a process that only
 imports (python + torch + transformers + lessmem, or python + llama_cpp), KV bytes, the
 bytes a decode step reads (weights + KV) and the floor they imply at the memory bandwidth
-measured here (a read loop over 512 MiB), and how many greedy tokens match llama.cpp's
-(f16 KV) row.
+measured here (a read loop over 512 MiB), how many greedy tokens match llama.cpp's
+(f16 KV) row, and what the RSS at the end of the decode holds beyond the child's own
+imports, by what backs it (``rss_growth_by_kind_mib``: the GGUF file's pages, shared
+libraries' code pages the run touched, anonymous memory, other; from ``/proc/self/smaps``).
 
     python benchmarks/bench_e2e.py                      # 512, 4096, 8192, 16384-token prompts
     python benchmarks/bench_e2e.py --prompts 512,4096 --repeats 3
@@ -52,6 +54,36 @@ def _status_mib(key: str) -> float:
     return float("nan")
 
 
+def _rss_by_kind(gguf: str) -> dict[str, float] | None:
+    """Resident MiB by what backs it (Linux ``/proc/self/smaps``): ``file`` (the GGUF file's
+    mapped pages), ``code`` (shared libraries: torch's, the kernels', llama.cpp's), ``anon``
+    (heap and anonymous memory: the KV, activations, the model's objects) and ``other``
+    (other files, stacks). None where smaps cannot be read."""
+    kinds = {"file": 0, "code": 0, "anon": 0, "other": 0}
+    target = os.path.realpath(gguf)
+    kind = "other"
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+                    name = head[5].strip() if len(head) > 5 else ""
+                    kind = ("file" if name and os.path.realpath(name) == target
+                            else "code" if ".so" in name.rsplit("/", 1)[-1]
+                            else "anon" if not name or name == "[heap]" else "other")
+                elif line.startswith("Rss:"):
+                    kinds[kind] += int(line.split()[1])
+    except OSError:
+        return None
+    return {k: v / 1024 for k, v in kinds.items()}
+
+
+def _rss_growth(before: dict | None, gguf: str) -> dict[str, float] | None:
+    """``_rss_by_kind`` now less ``before`` (the child's own, taken after its imports)."""
+    now = _rss_by_kind(gguf)
+    return None if before is None or now is None else {k: now[k] - before[k] for k in now}
+
+
 def _reset_peak() -> bool:
     """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); False where not allowed."""
     try:
@@ -81,7 +113,17 @@ def child(spec: dict) -> dict:
         return {"peak_rss_mib": _status_mib("VmHWM")}
     ids = json.loads(Path(spec["ids"]).read_text())
     if spec["engine"] == "llama.cpp":
+        import llama_cpp  # noqa: F401  (its imports: not the model's share)
+
+        spec = {**spec, "rss_start": _rss_by_kind(spec["gguf"])}
         return _child_llama(spec, ids)
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import lessmem  # noqa: F401
+    from lessmem.kernels import attention_cpp, gguf_linear_cpp
+
+    gguf_linear_cpp.available(), attention_cpp.load()  # as the imports row has them
+    spec = {**spec, "rss_start": _rss_by_kind(spec["gguf"])}
     return _child_lessmem(spec, ids)
 
 
@@ -107,12 +149,13 @@ def _child_llama(spec: dict, ids: list[int]) -> dict:
             break
     gen.close()
     decode_peak = _status_mib("VmHWM")
+    growth = _rss_growth(spec["rss_start"], spec["gguf"])
     cfg = spec["config"]
     kv_bytes = (2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * (len(ids) + len(out))
                 * LLAMA_KV_BYTES[kv])
     return {"tokens": out, "prefill_s": times[0] - t0, "decode_s": times[-1] - times[0],
             "peak_rss_mib": max(whole_peak, decode_peak), "decode_peak_rss_mib": decode_peak,
-            "kv_bytes": int(kv_bytes), "weight_bytes_per_step": spec["file_tensor_bytes"]}
+            "kv_bytes": int(kv_bytes), "weight_bytes_per_step": spec["file_tensor_bytes"], "rss_growth_mib": growth}
 
 
 def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
@@ -150,6 +193,7 @@ def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
             times.append(time.perf_counter())
             out.append(int(nxt))
     decode_peak = _status_mib("VmHWM")
+    growth = _rss_growth(spec["rss_start"], spec["gguf"])  # (before the tokenizer below)
     tokenizer_mib = None
     if not spec.get("no_tokenizer"):  # what lessmem.load(path) would add by building the tokenizer
         before = _status_mib("VmRSS")
@@ -164,7 +208,7 @@ def _child_lessmem(spec: dict, ids_list: list[int]) -> dict:
     weights = sum(m.qweight.numel() for m in model.modules() if isinstance(m, GGUFLinear))
     return {"tokens": out, "prefill_s": times[0] - t0, "decode_s": times[-1] - times[0],
             "peak_rss_mib": max(whole_peak, decode_peak), "decode_peak_rss_mib": decode_peak,
-            "tokenizer_rss_mib": tokenizer_mib,
+            "tokenizer_rss_mib": tokenizer_mib, "rss_growth_mib": growth,
             "kv_bytes": int(kv_bytes), "weight_bytes_per_step": int(weights),
             "held": model._lessmem_gguf["bytes_mapped"] + model._lessmem_gguf["bytes_copied"]}
 
@@ -312,6 +356,9 @@ def _summarise(n: int, runs: dict, imports: dict, file_bytes: int, bw: float, ne
         row["rss_over_imports_mib"] = row["peak_rss_mib"] - base_rss  # the model's share
         row["decode_rss_over_imports_mib"] = row["decode_peak_rss_mib"] - base_rss
         row["rss_rule_ratio"] = row["rss_over_imports_mib"] * MiB / (file_bytes + row["kv_bytes"])
+        if all(r.get("rss_growth_mib") for r in rs):  # the RSS at the end of the decode, by kind
+            row["rss_growth_by_kind_mib"] = {k: statistics.median(r["rss_growth_mib"][k] for r in rs)
+                                             for k in rs[0]["rss_growth_mib"]}
         if rs[0].get("tokenizer_rss_mib") is not None:  # not in the decode run: what it would add
             row["tokenizer_rss_mib"] = statistics.median(r["tokenizer_rss_mib"] for r in rs)
         if ref_tokens is not None:

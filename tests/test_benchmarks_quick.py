@@ -385,6 +385,12 @@ def check_e2e(data: dict, fresh: bool) -> None:
             assert r["kv_bytes"] < dyn[n]["kv_bytes"], f"{w}: a quantized cache no smaller than DynamicCache"
         if "tokens_equal_llama_f16" in r:
             assert 0 <= need(r, "tokens_equal_llama_f16", int, w) <= h["new_tokens"]
+        if (fresh and sys.platform.startswith("linux")) or "rss_growth_by_kind_mib" in r:  # (smaps: Linux)
+            kinds = need(r, "rss_growth_by_kind_mib", dict, w)
+            assert set(kinds) == {"file", "code", "anon", "other"}, kinds
+            assert all(isinstance(v, NUM) and math.isfinite(v) for v in kinds.values()), kinds
+            # the file's pages can't exceed the file; the run touched some code and allocated something
+            assert -1 < kinds["file"] <= h["gguf_bytes"] / 2**20 + 1 and kinds["code"] > 0 and kinds["anon"] > 0
     t = need(data, "targets", dict, "result")
     assert need(t, "rss_rule_met", bool, "targets") == (t["rss_rule_max_ratio"] <= 1.2)
 
@@ -492,6 +498,8 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e.json": "bench_e2e.py",
     "e2e_16k.json": "bench_e2e.py",
     "e2e_512.json": "bench_e2e.py",  # 512 tokens only, run just before e2e.json at the same commit
+    "e2e_trim_before.json": "bench_e2e.py",  # lessmem rows at 984a62f, beside e2e_trim_after.json
+    "e2e_trim_after.json": "bench_e2e.py",
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     "bench_linear.json": "bench_linear.py",
