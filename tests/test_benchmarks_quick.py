@@ -500,6 +500,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e_512.json": "bench_e2e.py",  # 512 tokens only, run just before e2e.json at the same commit
     "e2e_trim_before.json": "bench_e2e.py",  # lessmem rows at 984a62f, beside e2e_trim_after.json
     "e2e_trim_after.json": "bench_e2e.py",
+    "e2e_rss_kinds.json": "bench_e2e.py",  # lessmem rows with the RSS by kind, 512/4096/8192
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     "bench_linear.json": "bench_linear.py",
