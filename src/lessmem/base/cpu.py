@@ -72,7 +72,9 @@ def trim_heap() -> bool:
     A prefill frees its activations, but the allocator keeps the freed pages, so the
     process's RSS while it decodes still counts them (measured on the built-in model after a
     512-token prefill: 17-27 MiB, more than the KV cache of best-4). Called after each
-    prefill chunk of a switched model (``lessmem.decode``) and after a load (``lessmem.load``)."""
+    prefill chunk of a switched model and after its decode steps that move blocks into a
+    lessmem cache's history (``lessmem.decode``), every ``TRIM_EVERY_LAYERS`` layers of a long
+    prefill chunk (``kvcache.layer``) and after a load (``lessmem.load``)."""
     if not _LIBC:
         import ctypes
         import ctypes.util
