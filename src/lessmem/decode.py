@@ -28,7 +28,8 @@ the same weights and the same cache:
   cache's window blocks into its history (every ``block_size`` tokens), the pages of the
   history pieces that step replaced (a piece is rejoined with each new block: left to the
   allocator, the old copies' pages made the decode's RSS grow by several times the bytes
-  the history gained, e.g. +17 MiB for +1.5 MiB of best-4 history over 256 tokens at 4k).
+  the history gained; ``benchmarks/results/e2e_trim_after.json`` against
+  ``e2e_trim_before.json``).
 
 Which calls take it: ``input_ids`` of one token per row, a ``DynamicCache`` or lessmem
 ``KVCache`` that already holds the prompt, no padding (an ``attention_mask`` of ones, if
@@ -307,7 +308,7 @@ class LeanDecode:
     def _trim_after_flush(self, cache) -> None:
         """``trim_heap`` when this step moved blocks into the history of the same lessmem
         cache as the last step (its first layer's ``n_history`` grew): the pieces it replaced
-        are free by now. One call every ``block_size`` tokens (~3 ms at 4k context here)."""
+        are free by now. One call every ``block_size`` tokens (a few ms at 4k context)."""
         n = getattr(cache.layers[0], "n_history", None) if getattr(cache, "layers", None) else None
         last, self._history = self._history, (id(cache), n)  # (no reference: the cache may go)
         if n is not None and last is not None and last[0] == id(cache) and last[1] != n:

@@ -50,10 +50,11 @@ SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (modul
 # A long prefill chunk on the CPU: every TRIM_EVERY_LAYERS layers, before a layer appends at
 # least TRIM_MIN_TOKENS tokens, the C heap's free pages go back to the OS (base.cpu.trim_heap).
 # Each layer frees its activations, but the allocator keeps their pages and the next layer's
-# differently sized temporaries fragment them, so a chunk's peak RSS grew with depth: on the
-# built-in model (30 layers, 512-token chunks, 4k prompt, best-4; three alternating runs)
-# 207-211 MiB over the imports without, 197-200 every 10 layers for 3.5% more prefill time
-# (every 6 layers in an earlier set: 195-201 MiB for 6-8%).
+# differently sized temporaries fragment them, so a chunk's peak RSS grew with depth. Every
+# 10 layers took ~10 MiB off a 4k-token best-4 prefill's peak on the built-in model (30
+# layers, 512-token chunks) for a few percent more prefill time; every layer cost far more
+# time (benchmarks/results/e2e_trim_after.json against e2e_trim_before.json, with the other
+# trims; the single-change A/B is in the commit that added this).
 TRIM_EVERY_LAYERS = 10
 TRIM_MIN_TOKENS = 128
 WINDOW_SPARE = 16  # a window buffer's room beyond window + block_size tokens

@@ -1125,7 +1125,7 @@ std::vector<torch::Tensor> qattn_forward(
 // One side's quantized tokens as float32 [B, H, T, D], decoded as the attention loop
 // decodes them (levels, then s·c − s·z): a long prefill chunk's slice of the history for
 // flash attention. The output is the one allocation (the torch path makes int64 codes and
-// a few temporaries of the output's size, the prefill's largest transient). codes
+// a few more temporaries of the output's size for every slice of every layer). codes
 // [B, H, T, rb], scale (and zp: one tensor, or none) [B, H, ceil(T / tg), D / dg].
 torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scale, std::vector<torch::Tensor> zp, torch::Tensor lut,
                        int64_t packing, int64_t bits, int64_t tg, int64_t dg, double zc, int64_t D) {
