@@ -29,7 +29,9 @@ the same weights and the same cache:
   history pieces that step replaced (a piece is rejoined with each new block: left to the
   allocator, the old copies' pages made the decode's RSS grow by several times the bytes
   the history gained; ``benchmarks/results/e2e_trim_after.json`` against
-  ``e2e_trim_before.json``).
+  ``e2e_trim_before.json``), and, right after a ``DynamicCache`` layer moves to bigger
+  buffers (of ``TRIM_GROWN_BYTES`` or more), the pages of the old ones: the first step after
+  a prefill moves every layer, and without the trims it held the old KV and the new at once.
 
 Which calls take it: ``input_ids`` of one token per row, a ``DynamicCache`` or lessmem
 ``KVCache`` that already holds the prompt, no padding (an ``attention_mask`` of ones, if
@@ -308,7 +310,8 @@ class LeanDecode:
     def _trim_after_flush(self, cache) -> None:
         """``trim_heap`` when this step moved blocks into the history of the same lessmem
         cache as the last step (its first layer's ``n_history`` grew): the pieces it replaced
-        are free by now. One call every ``block_size`` tokens (a few ms at 4k context)."""
+        are free by now. One call every ``block_size`` tokens (a few ms at 4k context). (A
+        ``DynamicCache`` layer trims as its buffers grow: ``_dynamic_append``.)"""
         n = getattr(cache.layers[0], "n_history", None) if getattr(cache, "layers", None) else None
         last, self._history = self._history, (id(cache), n)  # (no reference: the cache may go)
         if n is not None and last is not None and last[0] == id(cache) and last[1] != n:
@@ -462,6 +465,9 @@ def _split_pieces(problems: int, T: int) -> int:
 GROW_MIN = 64  # a DynamicCache layer's buffer grows by max(this, an eighth) tokens at a time
 
 
+TRIM_GROWN_BYTES = 4 << 20  # _dynamic_append trims the heap after a layer moves to buffers this big
+
+
 def _dynamic_append(layer, k: torch.Tensor, v: torch.Tensor):
     """``DynamicLayer.update`` for one new token without copying the whole layer: transformers
     concatenates (a step at 16k tokens copied 750 MB on the built-in model); here the layer's
@@ -477,12 +483,19 @@ def _dynamic_append(layer, k: torch.Tensor, v: torch.Tensor):
         kb, vb = keys.new_empty(B, H, cap, D), values.new_empty(B, H, cap, D)
         kb[:, :, :n].copy_(keys)
         vb[:, :, :n].copy_(values)
+        grew = True
     else:
-        kb, vb = held[0], held[1]
+        kb, vb, grew = held[0], held[1], False
     kb[:, :, n:n + 1].copy_(k)
     vb[:, :, n:n + 1].copy_(v)
     layer.keys, layer.values = kb[:, :, :n + 1], vb[:, :, :n + 1]
     layer._lessmem_buf = (kb, vb, layer.keys, layer.values)
+    del keys, values, held
+    if grew and kb.device.type == "cpu" and 2 * kb.nbytes >= TRIM_GROWN_BYTES:
+        # the old tensors are free now; left to the allocator, their pages stay resident and
+        # the next layer's bigger buffers are placed beside them, so the step that moves every
+        # layer (the first after a prefill) held the old KV and the new at once
+        trim_heap()
     return layer.keys, layer.values
 
 

@@ -400,3 +400,28 @@ def test_heap_trimmed_after_each_step_that_moves_blocks_into_the_history(monkeyp
         model(torch.tensor([[5]]), cache=other)
     assert handle.steps == 41 and prefill_trims == 1 and 2 <= grew < 40
     assert n - prefill_trims == grew + 1 and len(trims) == n  # (+1: the second prefill)
+
+
+def test_dynamic_cache_buffers_that_grow_trim_the_heap(monkeypatch):
+    # a layer moved to bigger buffers frees the old ones: the heap is trimmed right after
+    # (else the first step after a prefill held the old KV and the new at once), but only
+    # for buffers of TRIM_GROWN_BYTES or more (a trim costs ms; small contexts grow often)
+    import lessmem.decode as dec
+
+    trims = []
+    monkeypatch.setattr(dec, "trim_heap", lambda: trims.append(1) or True)
+    model = tiny_random("llama")
+    n_layers = model.config.num_hidden_layers
+    for limit, want_trims in ((1 << 60, False), (0, True)):
+        monkeypatch.setattr(dec, "TRIM_GROWN_BYTES", limit)
+        cache = DynamicCache()
+        with torch.no_grad(), lean_decode(model):
+            model(PROMPT, cache=cache)
+            trims.clear()
+            grown = []
+            for t in range(80):
+                before = cache.layers[0].__dict__.get("_lessmem_buf")
+                model(torch.tensor([[3 + t]]), cache=cache)
+                grown.append(cache.layers[0].__dict__["_lessmem_buf"][0] is not (before or (None,))[0])
+        assert grown[0] and 2 <= sum(grown) < 80  # the first step adopts the prefill's KV, then growth
+        assert len(trims) == (n_layers * sum(grown) if want_trims else 0)
