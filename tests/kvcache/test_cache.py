@@ -150,3 +150,33 @@ def test_enable_is_reversible_and_falls_back_to_sdpa(llama):
             got = llama(ids, **{cache_kwarg(llama): DynamicCache()}).logits  # plain tensors -> SDPA
     assert llama.config._attn_implementation == "sdpa"
     torch.testing.assert_close(got, ref)
+
+
+def test_prefill_in_chunks_then_generate(llama):
+    # KVCache.prefill feeds a prompt a chunk at a time: the same state as the chunks fed by
+    # hand, the last position's logits, and generate continues from it (feeding only the
+    # token the cache lacks), as after one forward with a DynamicCache up to rounding
+    from lessmem.kvcache.cache import prefill_chunks
+
+    ids = torch.randint(3, llama.config.vocab_size, (1, 90), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), enable(llama):
+        cache = KVCache(llama.config, "int8")
+        logits = cache.prefill(llama, ids[:, :-1], chunk=32)
+        ref = KVCache(llama.config, "int8")
+        for a in range(0, 89, 32):
+            want = llama(ids[:, :-1][:, a:a + 32], **{cache_kwarg(llama): ref}, use_cache=True).logits[:, -1]
+        assert cache.get_seq_length() == 89  # (one row through lm_head, not all: rounding)
+        torch.testing.assert_close(logits, want.float(), atol=1e-5, rtol=1e-5)
+        out = llama.generate(ids, **{cache_kwarg(llama): cache}, max_new_tokens=3, do_sample=False)
+        again = llama.generate(ids, **{cache_kwarg(llama): ref}, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, again) and out.shape[1] == 93
+        dyn = DynamicCache()
+        last = prefill_chunks(llama, dyn, ids, chunk=7)
+        whole = llama(ids, **{cache_kwarg(llama): DynamicCache()}, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(last, whole, atol=1e-5, rtol=1e-5)
+    for bad, chunk, why in [(ids.float(), None, "input_ids"), (ids[0], None, "input_ids"), (ids[:, :0], None, "input_ids"),
+                            (ids, 0, "chunk=0"), (ids, 2.5, "chunk=2.5"), (ids, True, "chunk=True")]:
+        fresh = KVCache(llama.config, "int8")
+        with pytest.raises(ValueError, match=why):
+            fresh.prefill(llama, bad, chunk=chunk)
+        assert fresh.get_seq_length() == 0  # refused before anything was fed

@@ -8,8 +8,8 @@ the quantized blocks beyond the device budget go down the named tiers, and the b
 held per tier are printed at the end. The prompt is prefilled in chunks of the block
 size and its state saved in the tiers, so running the same prompt again (or one that
 starts the same way) over the same store loads it instead of computing it. Without
-``--offload`` a prompt longer than ``PREFILL_CHUNK`` tokens is prefilled in chunks of that
-many, so its activations are held a chunk at a time.
+``--offload`` a prompt longer than 512 tokens (``kvcache.cache.PREFILL_CHUNK``) is prefilled
+in chunks of that many (``prefill_chunks``), so its activations are held a chunk at a time.
 
 Example:
     $ lessmem generate "Why is the sky blue?" --kv int4 --max-new-tokens 64
@@ -32,7 +32,6 @@ from lessmem._cli_model import (
 from lessmem.base.units import fmt_bytes
 
 HELP = "generate text with a quantized KV cache"
-PREFILL_CHUNK = 512  # prompt tokens a forward (prefill_in_chunks)
 
 
 def add_arguments(p) -> None:
@@ -189,18 +188,6 @@ def check(args) -> None:
                   f"{args.max_new_tokens:,} new tokens")
 
 
-def prefill_in_chunks(model, cache, ids, chunk: int | None = None) -> None:
-    """Feed ``ids`` [1, T] to ``model`` through ``cache`` ``chunk`` tokens at a time
-    (``PREFILL_CHUNK``), as the benchmarks and the eval do; ``generate`` then takes the rest.
-    One forward over a whole long prompt holds every activation of it at once (a 4k-token
-    prompt's MLP alone is four 25 MB tensors a layer on the built-in model)."""
-    from lessmem.eval.caches import cache_kwarg
-
-    step = chunk or PREFILL_CHUNK
-    for a in range(0, ids.shape[1], step):
-        model(ids[:, a:a + step], **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
-
-
 def _encode(tok, args):
     """The prompt's token ids (through the chat template unless --raw or there is none)."""
     if not args.raw and getattr(tok, "chat_template", None):
@@ -247,6 +234,7 @@ def run(args) -> int:
 
     from lessmem.eval.caches import cache_kwarg, close_cache
     from lessmem.eval.report import quiet_transformers
+    from lessmem.kvcache import cache as kv_cache
     from lessmem.kvcache import enable
 
     if not hasattr(args, "spec"):
@@ -266,14 +254,15 @@ def run(args) -> int:
     try:
         with torch.inference_mode(), enable(model):  # fused attention over the quantized blocks
             ids = enc["input_ids"]
-            if hasattr(cache, "prefill") and ids.shape[0] == 1 and ids.shape[1] > 1:
+            if hasattr(cache, "prefix_tokens_reused") and ids.shape[0] == 1 and ids.shape[1] > 1:
                 # a tiered cache takes the prompt (all but its last token) in chunks of its block
                 # size, so blocks are sealed and placed as they fill instead of one huge chunk
                 # emptying the device tier; a stored prefix of it is loaded, not recomputed
                 cache.prefill(model, ids[:, :-1])
                 reused = cache.prefix_tokens_reused
-            elif ids.shape[0] == 1 and ids.shape[1] > PREFILL_CHUNK + 1:
-                prefill_in_chunks(model, cache, ids[:, :-1])
+            elif ids.shape[0] == 1 and ids.shape[1] > kv_cache.PREFILL_CHUNK + 1:
+                # a long prompt a chunk at a time (its activations held a chunk at a time)
+                kv_cache.prefill_chunks(model, cache, ids[:, :-1])
             out = model.generate(**enc, **{cache_kwarg(model): cache}, **gen)
         _print_summary(args.spec, enc, out, cache, reused)
     finally:

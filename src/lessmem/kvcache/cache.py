@@ -91,6 +91,29 @@ def cache_kwargs(model, cache) -> dict:
     return {cache_kwarg(model): cache, "use_cache": True}
 
 
+PREFILL_CHUNK = 512  # prompt tokens a forward in prefill_chunks (the benchmarks' and the CLI's)
+
+
+def prefill_chunks(model, cache, input_ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Feed ``input_ids`` [B, T] to ``model`` into ``cache`` (any transformers cache: a
+    lessmem one, a ``DynamicCache``) ``chunk`` tokens a forward (default ``PREFILL_CHUNK``);
+    returns the last position's logits [B, vocab] (float32). One forward over a long prompt
+    holds every activation of it at once, each chunk only its own. Checked first: nothing is
+    fed when ``input_ids`` or ``chunk`` is refused."""
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1
+            or input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool):
+        raise ValueError(f"input_ids {_describe(input_ids) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}; "
+                         "allowed: integer token ids [batch, tokens], at least one token")
+    step = PREFILL_CHUNK if chunk is None else chunk
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"chunk={chunk!r}; allowed: a positive integer (tokens a forward) or None")
+    out = None
+    with torch.no_grad():
+        for a in range(0, input_ids.shape[1], int(step)):
+            out = model(input_ids[:, a:a + int(step)], **cache_kwargs(model, cache), logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
 def _library_cache_kwarg() -> str:
     """The installed transformers' own name: what its reference model (Llama) takes."""
     from transformers.models.llama.modeling_llama import LlamaModel
@@ -255,6 +278,14 @@ class KVCache(Cache):
         i = self._index(layer_idx)
         _check_kv(self.layers[i], key_states, value_states, i)
         return super().update(key_states, value_states, i, *args, **kwargs)
+
+    def prefill(self, model, input_ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Logits [B, vocab] after feeding ``input_ids`` [B, T] into this cache ``chunk`` tokens
+        a forward (default 512; :func:`prefill_chunks`), so a long prompt's activations are
+        held a chunk at a time. For ``generate``, prefill all but the prompt's last token, then
+        pass the whole prompt and this cache: it feeds only the tokens the cache lacks.
+        (``TieredKVCache.prefill`` also loads and saves the prompt's state in its tiers.)"""
+        return prefill_chunks(model, self, input_ids, chunk)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return super().get_seq_length(self._index(layer_idx))
