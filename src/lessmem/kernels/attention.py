@@ -103,12 +103,7 @@ class QuantSide:
         mod = _module() if self.codes.device.type == "cpu" else None
         if mod is None:
             return self.dequantize()
-        lay = self.layout
-        lut = lay.lut("cpu")
-        return mod.qdequant(self.codes, self.scale, [] if self.zero_point is None else [self.zero_point],
-                            lut if lut is not None else torch.empty(0, dtype=torch.float32),
-                            PACKING_IDS[lay.packing], lay.kernel_bits, lay.token_group, lay.channel_group,
-                            lay.zero_const, lay.head_dim)
+        return mod.qdequant(*_side_args(self, [(self.codes, self.scale, self.zero_point)]), self.layout.head_dim)
 
 
 @dataclass(frozen=True)

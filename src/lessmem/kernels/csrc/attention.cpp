@@ -1125,17 +1125,19 @@ std::vector<torch::Tensor> qattn_forward(
 // One side's quantized tokens as float32 [B, H, T, D], decoded as the attention loop
 // decodes them (levels, then s·c − s·z): a long prefill chunk's slice of the history for
 // flash attention. The output is the one allocation (the torch path makes int64 codes and
-// a few more temporaries of the output's size for every slice of every layer). codes
-// [B, H, T, rb], scale (and zp: one tensor, or none) [B, H, ceil(T / tg), D / dg].
-torch::Tensor qdequant(torch::Tensor codes, torch::Tensor scale, std::vector<torch::Tensor> zp, torch::Tensor lut,
-                       int64_t packing, int64_t bits, int64_t tg, int64_t dg, double zc, int64_t D) {
-  LM_CHECK(codes.dim() == 4 && scale.dim() == 4 && zp.size() <= 1, "qdequant: codes and scale must be 4-D, "
-           "at most one zero point tensor");
+// a few more temporaries of the output's size for every slice of every layer). The side's
+// arguments are qattn_forward's (one part: codes [B, H, T, rb], scale and zero point, if
+// any, [B, H, ceil(T / tg), D / dg]) and head_dim D.
+torch::Tensor qdequant(std::vector<torch::Tensor> codes, std::vector<torch::Tensor> scale,
+                       std::vector<torch::Tensor> zp, torch::Tensor lut, int64_t packing, int64_t bits, int64_t tg,
+                       int64_t dg, double zc, int64_t D) {
+  LM_CHECK(codes.size() == 1 && codes[0].dim() == 4 && scale.size() == 1 && scale[0].dim() == 4 && zp.size() <= 1,
+           "qdequant: one part of 4-D codes and scale, at most one zero point tensor");
   LM_CHECK(D > 0 && tg > 0 && dg > 0 && D % dg == 0, "qdequant: head_dim ", D, " and channel group ", dg);
   std::vector<torch::Tensor> keep;
   keep.reserve(3);
-  const QSide S = make_side({codes}, {scale}, zp, lut, packing, bits, tg, dg, zc, (int)D, 0, keep);
-  const int64_t B = codes.size(0), H = codes.size(1), T = codes.size(2);
+  const QSide S = make_side(codes, scale, zp, lut, packing, bits, tg, dg, zc, (int)D, 0, keep);
+  const int64_t B = codes[0].size(0), H = codes[0].size(1), T = codes[0].size(2);
   auto out = torch::empty({B, H, T, D}, torch::kFloat32);
   float* o = out.data_ptr<float>();
   const int64_t step = tg > 1 ? tg * std::max<int64_t>(1, 256 / tg) : 256;  // tokens an item, whole groups
