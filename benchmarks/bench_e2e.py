@@ -99,13 +99,9 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     if spec["engine"] == "imports-lessmem":
-        import transformers.models.llama.modeling_llama  # noqa: F401
         import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
-        import lessmem  # noqa: F401
-        from lessmem.kernels import attention_cpp, gguf_linear_cpp
-
-        gguf_linear_cpp.available(), attention_cpp.load()
+        _import_lessmem()
         return {"peak_rss_mib": _status_mib("VmHWM")}
     if spec["engine"] == "imports-llama.cpp":
         import llama_cpp  # noqa: F401
@@ -117,14 +113,19 @@ def child(spec: dict) -> dict:
 
         spec = {**spec, "rss_start": _rss_by_kind(spec["gguf"])}
         return _child_llama(spec, ids)
+    _import_lessmem()  # as the imports row has them
+    spec = {**spec, "rss_start": _rss_by_kind(spec["gguf"])}
+    return _child_lessmem(spec, ids)
+
+
+def _import_lessmem() -> None:
+    """What a lessmem child holds before the model: transformers' Llama, lessmem, its C++ kernels."""
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import lessmem  # noqa: F401
     from lessmem.kernels import attention_cpp, gguf_linear_cpp
 
-    gguf_linear_cpp.available(), attention_cpp.load()  # as the imports row has them
-    spec = {**spec, "rss_start": _rss_by_kind(spec["gguf"])}
-    return _child_lessmem(spec, ids)
+    gguf_linear_cpp.available(), attention_cpp.load()
 
 
 def _child_llama(spec: dict, ids: list[int]) -> dict:

@@ -107,10 +107,10 @@ def prefill_chunks(model, cache, input_ids: torch.Tensor, chunk: int | None = No
     step = PREFILL_CHUNK if chunk is None else chunk
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"chunk={chunk!r}; allowed: a positive integer (tokens a forward) or None")
-    out = None
+    step, kw, out = int(step), cache_kwargs(model, cache), None
     with torch.no_grad():
-        for a in range(0, input_ids.shape[1], int(step)):
-            out = model(input_ids[:, a:a + int(step)], **cache_kwargs(model, cache), logits_to_keep=1)
+        for a in range(0, input_ids.shape[1], step):
+            out = model(input_ids[:, a:a + step], **kw, logits_to_keep=1)
     return out.logits[:, -1].float()
 
 
