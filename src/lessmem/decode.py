@@ -27,9 +27,8 @@ the same weights and the same cache:
   not stay in the RSS the decode holds; so do, after a decode step that moved a lessmem
   cache's window blocks into its history (every ``block_size`` tokens), the pages of the
   history pieces that step replaced (a piece is rejoined with each new block: left to the
-  allocator, the old copies' pages made the decode's RSS grow by several times the bytes
-  the history gained; ``benchmarks/results/e2e_trim_after.json`` against
-  ``e2e_trim_before.json``), and, right after a ``DynamicCache`` layer moves to bigger
+  allocator, the old copies' pages stayed in the decode's RSS;
+  ``benchmarks/results/e2e_trim_after.json`` against ``e2e_trim_before.json``), and, right after a ``DynamicCache`` layer moves to bigger
   buffers (of ``TRIM_GROWN_BYTES`` or more), the pages of the old ones: the first step after
   a prefill moves every layer, and without the trims it held the old KV and the new at once.
 

@@ -41,8 +41,6 @@ def _cache(model, kind):
     quantized history (the fused kernel's path, not only the full-precision window)."""
     if kind == "dynamic":
         return DynamicCache()
-    import dataclasses
-
     from lessmem.kvcache import PRESETS
 
     return KVCache(model.config, dataclasses.replace(PRESETS[kind], window=8, block_size=64))
@@ -151,8 +149,6 @@ def test_decode_row_equals_the_view_path(preset):
     """``QuantizedKVLayer.decode_row`` (the lean step's append + attention) gives what
     ``append_view(k, v).attend(q)`` gives, bit for bit, and leaves the same layer: while
     the sinks fill, before the first block is quantized and across block flushes."""
-    import dataclasses
-
     from lessmem.kvcache import PRESETS
 
     cfg = dataclasses.replace(PRESETS[preset], sinks=3, window=8, block_size=64)
@@ -329,8 +325,6 @@ def test_dynamic_cache_grows_in_place_and_stays_a_dynamic_cache():
 def test_rotated_keys_and_values_match_the_dequantized_path(rotate):
     """The one-call decode row (queries scaled and rotated, values un-rotated inside the C++
     call) against the dequantized path on the same cache config."""
-    import dataclasses
-
     from lessmem.kvcache import PRESETS
 
     model = tiny_random("llama", num_layers=2)

@@ -22,8 +22,7 @@ one parallel region over requests × KV heads × splits) and ``qattn_rows`` (the
 the query's scaling, the key and value rotations and the final sum done in the call: a
 decode row is one call, nothing around it in Python). A fourth, ``qdequant``, decodes one
 side's rows to floats the same way (``QuantSide.to_float``: a long prefill chunk's slice
-of the history for flash attention, with the output as its one allocation; over an order
-of magnitude faster than the torch path on best-4 slices here).
+of the history for flash attention, with the output as its one allocation).
 
 Code rows are unpacked as the side's :class:`~lessmem.formats.kvlayout.KVLayout` says:
 the caller passes each side's packing (its id in ``PACKING_IDS``; the ids are compiled

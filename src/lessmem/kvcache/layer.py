@@ -50,11 +50,11 @@ SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (modul
 # A long prefill chunk on the CPU: every TRIM_EVERY_LAYERS layers, before a layer appends at
 # least TRIM_MIN_TOKENS tokens, the C heap's free pages go back to the OS (base.cpu.trim_heap).
 # Each layer frees its activations, but the allocator keeps their pages and the next layer's
-# differently sized temporaries fragment them, so a chunk's peak RSS grew with depth. Every
-# 10 layers took ~10 MiB off a 4k-token best-4 prefill's peak on the built-in model (30
-# layers, 512-token chunks) for a few percent more prefill time; every layer cost far more
-# time (benchmarks/results/e2e_trim_after.json against e2e_trim_before.json, with the other
-# trims; the single-change A/B is in the commit that added this).
+# differently sized temporaries fragment them, so a chunk's peak RSS grew with depth. A trim
+# every 10 layers lowered a 4k-token best-4 prefill's peak on the built-in model for a few
+# percent more prefill time, one every layer cost far more time (the A/B is in the commit
+# that added this; benchmarks/results/e2e_trim_after.json against e2e_trim_before.json has
+# it with the other trims).
 TRIM_EVERY_LAYERS = 10
 TRIM_MIN_TOKENS = 128
 WINDOW_SPARE = 16  # a window buffer's room beyond window + block_size tokens
