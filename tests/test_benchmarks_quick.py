@@ -107,6 +107,8 @@ def check_gguf_linear(data: dict, fresh: bool) -> None:
         w = f"rows[{i}]"
         for key in ("in_features", "out_features", "threads"):
             assert need(r, key, int, w) > 0
+        if "batch" in r:  # x rows a call (results before --batch existed have batch 1 in the header)
+            assert need(r, "batch", int, w) > 0
         positive(r, "fp32_ms", w)
         ran = [t for t in types if t not in need(r, "skipped", list, w)]
         assert ran, f"{w}: every type skipped"
@@ -504,6 +506,9 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e_rss_kinds.json": "bench_e2e.py",  # lessmem rows with the RSS by kind, 512/4096/8192
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
+    # --int8-activations --batch 1,4,16 --repeat 200: the 512-bit Q4_0/Q4_1 kernel, and the commit before it
+    "bench_gguf_linear_q8.json": "bench_gguf_linear.py",
+    "bench_gguf_linear_q8_before.json": "bench_gguf_linear.py",
     "bench_linear.json": "bench_linear.py",
     "kv_decode.json": "bench_kv_decode.py",
     "offload.json": "bench_offload.py",

@@ -196,12 +196,16 @@ def test_gguf_weight_ref_shape():
 
 # ---- int8 activations (gguf_linear_q8, llama.cpp's quantized matmul) ----
 
-def _q8_reference(x, raw, t, n):
-    """float64: x rounded to int8 per block of 32 (dx = amax / 127), times the decoded weight."""
-    xd = x.double().reshape(x.shape[0], -1, 32)
-    d = xd.abs().amax(-1, keepdim=True) / 127
-    xq = torch.where(d > 0, torch.round(xd / torch.where(d > 0, d, 1)), 0) * d
-    return xq.reshape(x.shape) @ gguf_weight_ref(raw, t, n).double().T
+def _q8_reference(x, raw, t, n, absolute=False):
+    """float64: x rounded to int8 per block of 32 as the kernel rounds it (float32 dx = amax /
+    127, codes rint(x * (1 / dx))), times the decoded weight (``absolute``: |x| times
+    |weight|, the size the sums' rounding errors scale with)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(d > 0, torch.round(xb * torch.where(d > 0, 1 / d, 0)), 0)
+    xq = codes.double() * d.double()
+    w = gguf_weight_ref(raw, t, n).double()
+    return xq.reshape(x.shape).abs() @ w.abs().T if absolute else xq.reshape(x.shape) @ w.T
 
 
 @pytest.mark.parametrize("t", kern.Q8_TYPES)
@@ -227,6 +231,57 @@ def test_q8_rows_independent_of_batch(t):
     together = kern.gguf_linear_q8(x, raw, t, n)
     alone = torch.cat([kern.gguf_linear_q8(x[i:i + 1], raw, t, n) for i in range(9)])
     assert torch.equal(together, alone)  # bit for bit: serve's batched rows equal alone
+
+
+@pytest.mark.parametrize("t", kern.Q8_TYPES)
+@pytest.mark.parametrize("k", [32, 96, 576, 1536])
+def test_q8_block_counts_and_row_tails(t, k):
+    """Rows of 1, 3, 18 and 48 blocks (an odd count leaves the last pair of blocks half
+    empty, 18 a group of 16 and one of 2 in the 512-bit path), 37 rows (not a multiple of
+    the four a call takes), random bytes in every field (subnormal and zero scales among
+    them), 1-6 x rows: as the reference, and each x row as alone."""
+    n = 37
+    raw = _random_blocks(t, n, k, seed=k)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(k))
+    alone = torch.cat([kern.gguf_linear_q8(x[i:i + 1], raw, t, n) for i in range(6)])
+    # random scales make sums that cancel: the rounding is bounded by the sum of |terms|
+    size = _q8_reference(x.abs(), raw, t, n, absolute=True)
+    for m in (1, 2, 3, 5, 6):
+        y = kern.gguf_linear_q8(x[:m], raw, t, n)
+        ref = _q8_reference(x[:m], raw, t, n)
+        assert ((y.double() - ref).abs() <= 1e-6 * size[:m]).all()
+        assert torch.equal(y, alone[:m])
+
+
+_GUARD_PAGE = """
+import ctypes, mmap, sys, torch
+from lessmem.formats.gguf import gguf_type
+from lessmem.kernels import gguf_linear_cpp as kern
+t, n, k = sys.argv[1], 5, 96
+row = k // 32 * gguf_type(t).type_size
+page = mmap.PAGESIZE
+mm = mmap.mmap(-1, 2 * page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+raw = torch.frombuffer(mm, dtype=torch.uint8, count=n * row, offset=page - n * row).view(n, row)
+raw.copy_(torch.randint(0, 256, (n, row), dtype=torch.uint8))
+raw.view(-1)[1::2] &= 0x3B  # (finite fp16 scales wherever they fall: high bytes < 0x3C)
+assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + page), page, 0) == 0  # the next page: unreadable
+y = kern.gguf_linear_q8(torch.randn(3, k), raw, t, n)
+print("ok", bool(torch.isfinite(y).all()))
+"""
+
+
+@pytest.mark.skipif(not kern.available(), reason="no C++ compiler: only the torch fallback runs")
+@pytest.mark.parametrize("t", kern.Q8_TYPES)
+def test_q8_reads_nothing_past_the_last_block(t):
+    """Weights that end where readable memory ends (the next page unreadable): the kernels'
+    vector loads take only a block's own bytes, so the last block of the last row does not
+    fault (memory-mapped GGUF files end somewhere)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _GUARD_PAGE, t], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["ok", "True"], out.stderr[-2000:]
 
 
 def test_q8_bad_inputs_and_module_switch():

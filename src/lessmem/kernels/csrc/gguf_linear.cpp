@@ -467,13 +467,138 @@ static inline void rows_dot_q8(const uint8_t* row, int64_t rb, const int8_t* xq,
 #endif
 }
 
-// x quantized once (quantize_x_q8) for every weight that multiplies it
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define LM_Q8_512 1  // the int8-activation AVX-512 path below (Ice Lake, Sapphire Rapids, Zen 4 and later)
+#endif
+
+// x quantized once (quantize_x_q8) for every weight that multiplies it. With LM_Q8_512 also
+// in the order the 512-bit dot product reads it (rows_dot_q8_512): per x row and pair of blocks
+// (2p, 2p+1) 64 bytes, [first 16 of block 2p, first 16 of 2p+1, last 16 of 2p, last 16 of
+// 2p+1] (zeros for a missing 2p+1), and the block factors padded with zeros to a multiple
+// of 16 blocks (xd16/xs16, nbp per row).
 struct XQ8 {
   std::vector<int8_t> q; std::vector<float> d, s;
+#ifdef LM_Q8_512
+  int64_t nbp = 0;
+  std::vector<int8_t> pairs; std::vector<float> d16, s16;
+#endif
   XQ8(const float* x, int64_t M, int64_t K) : q(M * K), d(M * (K / 32)), s(M * (K / 32)) {
     quantize_x_q8(x, M, K, q.data(), d.data(), s.data());
+#ifdef LM_Q8_512
+    const int64_t nb = K / 32, np = (nb + 1) / 2;
+    nbp = (nb + 15) / 16 * 16;
+    pairs.assign(M * np * 64, 0);
+    d16.assign(M * nbp, 0.f);
+    s16.assign(M * nbp, 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t* o = pairs.data() + (m * np + b / 2) * 64 + (b & 1) * 16;
+        std::memcpy(o, q.data() + m * K + b * 32, 16);
+        std::memcpy(o + 32, q.data() + m * K + b * 32 + 16, 16);
+        d16[m * nbp + b] = d[m * nb + b];
+        s16[m * nbp + b] = s[m * nb + b];
+      }
+    }
+#endif
   }
 };
+
+#ifdef LM_Q8_512
+// R weight rows (rb bytes apart) of Q4_0 or Q4_1 against MB x rows in 512-bit registers, two
+// blocks a step. llama.cpp's loop (and rows_dot_q8 above) takes one block at a time and
+// converts and broadcasts its scale with scalar instructions, which was most of the time here.
+//  - The two blocks' code bytes go into one register in x's pair order (XQ8::pairs) with one
+//    byte permutation (each code byte twice) and one AND (the low nibbles in the first half,
+//    the high ones, times 16, in the second). One dpbusd per x row then gives 16 int32 lanes,
+//    four per block and half: exact integer sums.
+//  - The blocks' f16 scales (and Q4_1's minima) come 16 blocks at a time with one gather.
+//    The lanes are scaled by dw*dx (dw*dx/16 for the high halves: exact, a power of two) and
+//    added into one float accumulator per (row, x row); the Q4_0 / Q4_1 offset terms
+//    (-8*dw*sx, mw*sx) go into a second one, 16 blocks a multiply-add.
+//  - More x rows share each unpacked register (a serving batch; benchmarks/results/
+//    bench_gguf_linear_q8.json against bench_gguf_linear_q8_before.json).
+// Q8_0 stays on rows_dot_q8: a 512-bit version (byte permutation of two loads, |w| against x
+// with w's signs) was 1.1-1.3x faster for 4-16 x rows but ~13% slower for one.
+// Only the code bytes are loaded (masked loads: nothing past a block's end is read). Each
+// (row, x row) pair runs the same operations in the same order whatever R, MB and the other
+// rows are, so a row's result does not depend on the rows batched with it.
+template <int T>
+struct PairPerm {  // byte indices putting blocks 0 and 1's codes in x's pair order (XQ8::pairs)
+  alignas(64) uint8_t idx[64];
+  uint64_t mask2 = 0, mask1 = 0;  // the code bytes of two blocks / of the first block only
+  PairPerm() {
+    constexpr int TS = Traits<T>::TS, OFF = T == Q4_1 ? 4 : 2;
+    for (int i = 0; i < 16; ++i) {  // 16 code bytes a block, each twice: low nibbles, then high
+      idx[i] = idx[32 + i] = (uint8_t)(OFF + i);
+      idx[16 + i] = idx[48 + i] = (uint8_t)(TS + OFF + i);
+      mask1 |= 1ull << (OFF + i);
+      mask2 |= (1ull << (OFF + i)) | (1ull << (TS + OFF + i));
+    }
+  }
+};
+
+template <int T, int R, int MB>
+static inline void rows_dot_q8_512(const uint8_t* row, int64_t rb, const XQ8& X, int64_t m0, int64_t nb, float* y,
+                                   int64_t ldy) {
+  constexpr int TS = Traits<T>::TS;
+  static const PairPerm<T> P;
+  // scale lanes of pair j (blocks 2j, 2j+1 of a group of 16): from [dw*dx (16), dw*dx/16 (16)]
+  alignas(64) static const int32_t SIDX[8][16] = {
+#define LM_S(j) {2*j, 2*j, 2*j, 2*j, 2*j+1, 2*j+1, 2*j+1, 2*j+1, 16+2*j, 16+2*j, 16+2*j, 16+2*j, 17+2*j, 17+2*j, 17+2*j, 17+2*j}
+      LM_S(0), LM_S(1), LM_S(2), LM_S(3), LM_S(4), LM_S(5), LM_S(6), LM_S(7)};
+#undef LM_S
+  const int64_t np = (nb + 1) / 2;
+  const int8_t* xp[MB];
+  const float *xd[MB], *xs[MB];
+  for (int m = 0; m < MB; ++m) {
+    xp[m] = X.pairs.data() + (m0 + m) * np * 64;
+    xd[m] = X.d16.data() + (m0 + m) * X.nbp;
+    xs[m] = X.s16.data() + (m0 + m) * X.nbp;
+  }
+  const __m512i perm = _mm512_load_si512((const void*)P.idx);
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+  const __m512i gidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(TS));
+  const __m512 sixteenth = _mm512_set1_ps(0.0625f);
+  __m512 acc[R][MB], off[R][MB], sc[R][MB], sch[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = off[r][m] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < nb; g0 += 16) {
+    const int64_t ng = std::min<int64_t>(16, nb - g0);
+    const __mmask16 gm = (__mmask16)((1u << ng) - 1u);
+    for (int r = 0; r < R; ++r) {
+      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), gm, gidx, row + r * rb + g0 * TS, 1);
+      const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+      const __m512 mw = T == Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)))
+                                  : _mm512_mul_ps(dw, _mm512_set1_ps(8.f));
+      for (int m = 0; m < MB; ++m) {
+        const __m512 sx = _mm512_loadu_ps(xs[m] + g0);
+        off[r][m] = T == Q4_1 ? _mm512_fmadd_ps(mw, sx, off[r][m]) : _mm512_fnmadd_ps(mw, sx, off[r][m]);
+        sc[r][m] = _mm512_mul_ps(dw, _mm512_loadu_ps(xd[m] + g0));
+        sch[r][m] = _mm512_mul_ps(sc[r][m], sixteenth);
+      }
+    }
+    for (int64_t j = 0; 2 * j < ng; ++j) {
+      const int64_t b = g0 + 2 * j;
+      const __mmask64 lm = b + 1 < nb ? P.mask2 : P.mask1;
+      const __m512i si = _mm512_load_si512((const void*)SIDX[j]);
+      __m512i x[MB];
+      for (int m = 0; m < MB; ++m) x[m] = _mm512_loadu_si512((const void*)(xp[m] + (b / 2) * 64));
+      for (int r = 0; r < R; ++r) {
+        const __m512i raw = _mm512_maskz_loadu_epi8(lm, row + r * rb + b * TS);
+        const __m512i w = _mm512_and_si512(_mm512_permutexvar_epi8(perm, raw), nib);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x[m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutex2var_ps(sc[r][m], si, sch[r][m]), acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m)
+      y[m * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], off[r][m]));
+}
+#endif
 
 template <int T>
 static void fused_q8_rows(const XQ8& X, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
@@ -482,6 +607,27 @@ static void fused_q8_rows(const XQ8& X, const uint8_t* w, float* y, int64_t ldy,
   // weight rows a call (rows_dot_q8): four for the 4-bit types; Q8_0 rows (the tied lm_head
   // here) stream at the memory's speed already and four rows ran slower
   constexpr int R = T == Q8_0 ? 1 : 4;
+#ifdef LM_Q8_512
+  if constexpr (T != Q8_0) {
+    // one x row: four weight rows at a time; more: up to four x rows at a time against one weight
+    // row, its blocks unpacked once for them (each (row, x row) pair: the same operations)
+    int64_t n = n0;
+    if (M == 1) {
+      for (; n + 4 <= n1; n += 4) {
+        for (int r = 0; r < 4; ++r) lm_prefetch_row_ahead(w + (n + r) * rb, rb);
+        rows_dot_q8_512<T, 4, 1>(w + n * rb, rb, X, 0, nb, y + n, ldy);
+      }
+    }
+    for (; n < n1; ++n) {
+      lm_prefetch_row_ahead(w + n * rb, rb);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows_dot_q8_512<T, 1, 4>(w + n * rb, rb, X, m, nb, y + m * ldy + n, ldy);
+      for (; m + 2 <= M; m += 2) rows_dot_q8_512<T, 1, 2>(w + n * rb, rb, X, m, nb, y + m * ldy + n, ldy);
+      for (; m < M; ++m) rows_dot_q8_512<T, 1, 1>(w + n * rb, rb, X, m, nb, y + m * ldy + n, ldy);
+    }
+    return;
+  }
+#endif
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     for (int r = 0; r < R; ++r) lm_prefetch_row_ahead(w + (n + r) * rb, rb);
