@@ -192,7 +192,7 @@ COUNTERS = {"prompt_tokens": "prompt_tokens", "computed_prompt_tokens": "prompt_
             "prefix_hits": "prefix_hits", "prefix_tier_hits": "prefix_tier_hits",
             "prefix_tokens_reused": "prefix_tokens_reused", "preemptions": "preemptions",
             "recomputes": "recomputes", "demoted_pages": "kv_pages_demoted",
-            "over_budget_steps": "over_budget_steps", "steps": "engine_steps"}
+            "over_budget_steps": "over_budget_steps", "steps": "engine_steps", "lean_steps": "engine_lean_steps"}
 GAUGES = {"running": "requests_running", "waiting": "requests_waiting", "swapped": "requests_swapped",
           "max_running": "requests_running_peak", "peak_device_bytes": "kv_device_peak_bytes",
           "kv_budget": "kv_budget_bytes"}
@@ -522,7 +522,7 @@ def lessmem_row(target, wl: Workload, kv: str, offload_label: str | None, budget
            "prompt_tokens_received": received, "prompt_tokens_reused": reused,
            "prompt_tokens_computed": computed, "preemptions": d["preemptions"], "recomputes": d["recomputes"],
            "demoted_pages": d["demoted_pages"], "over_budget_steps": d["over_budget_steps"],
-           "engine_steps": d["steps"],
+           "engine_steps": d["steps"], "engine_lean_steps": d["lean_steps"],
            "finish_reasons": sorted({r.get("finish_reason") or "none" for r in recs}),
            "run_wall_s": wall}
     if shared and computed is not None:

@@ -32,6 +32,11 @@ the same weights and the same cache:
   buffers (of ``TRIM_GROWN_BYTES`` or more), the pages of the old ones: the first step after
   a prefill moves every layer, and without the trims it held the old KV and the new at once.
 
+A serving step of decode rows only takes it too (``serve_step``, called by
+``lessmem.serve.Engine``): each row a request's token at its own position, the rows handed
+to the step's ``BatchCache`` packed as the model's forward would, for models whose
+projections are all ``GGUFLinear`` (each row then computed on its own by the fused kernel).
+
 Which calls take it: ``input_ids`` of one token per row, a ``DynamicCache`` or lessmem
 ``KVCache`` that already holds the prompt, no padding (an ``attention_mask`` of ones, if
 any), positions that continue the cache, the model in ``eval()`` mode, no hooks on its
@@ -239,6 +244,7 @@ class LeanDecode:
             raise ValueError(f"lean_decode: this model cannot take the lean step: {reason}")
         self.model = model
         self.steps = 0  # decode calls that took the lean step (the rest took the model's forward)
+        self.serve_steps = 0  # serving steps that took it (serve_step)
         self._parts = None
         self._history = None  # (id of the cache, its first layer's history tokens) after the last step
         model.forward = self._call
@@ -249,7 +255,7 @@ class LeanDecode:
 
     def __setstate__(self, state):
         self.model = state["model"]
-        self.steps = 0
+        self.steps = self.serve_steps = 0
         self._parts = None
         self._history = None
 
@@ -264,6 +270,11 @@ class LeanDecode:
         self._norm = _norm(inner.norm, glue)
         self._head = _proj(model.lm_head)
         self._rotary = inner.rotary_emb
+        from .weights.gguf_linear import GGUFLinear
+
+        projections = [model.lm_head, *(p for layer in inner.layers for mod in (layer.self_attn, layer.mlp)
+                                        for n, p in mod.named_children() if n.endswith("_proj"))]
+        self._all_gguf = all(type(p) is GGUFLinear for p in projections)  # (serve_step: rows on their own)
         # what the step depends on, checked on every call: (parent, child name, child)
         self._parts = [(p, n, c) for p in model.modules() for n, c in p._modules.items() if c is not None]
         self._modules = [model, *(c for _, _, c in self._parts)]
@@ -346,15 +357,35 @@ class LeanDecode:
         return not any(self._hooks)  # (registering a hook fills the module's own dict)
 
     # ---- the step -----------------------------------------------------------------
+    def serve_step(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` for a serving step of decode rows only: row b is token
+        ``ids[b]`` of its own request at position ``positions[b]``, ``cache`` the step's
+        ``serve.batch.BatchCache`` (each request's cache; the rows go to it packed as one
+        sequence, as the model's forward would hand them). None where this model cannot take
+        it, and the caller runs the model's forward: a hook or a replaced module, or a
+        projection that is not a ``GGUFLinear``, or more rows than its fused kernel takes at
+        once (there each row is computed on its own, so a request's result does not depend on
+        the rows beside it, as the serving engine's batch invariance requires)."""
+        from .weights.qlinear import FUSED_MAX_ROWS
+
+        if self.model.training or ids.numel() > FUSED_MAX_ROWS or not self._ready() or not self._all_gguf:
+            return None
+        self.serve_steps += 1
+        return self.step(ids.view(-1, 1), cache, positions=positions.view(-1))[:, 0]
+
     @torch.no_grad()
-    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, cache, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, 1, vocab]`` for one new token per row ``ids [B, 1]``, appending its
-        keys and values to ``cache`` (no eligibility checks: see ``_eligible``)."""
-        past = cache.get_seq_length()
-        dynamic = not hasattr(cache, "kv_config")  # a DynamicCache (_cache_ok allows no other)
+        keys and values to ``cache`` (no eligibility checks: see ``_eligible``). ``positions``
+        [B]: a serving step (``serve_step``); else every row is at the cache's length."""
+        packed = positions is not None
+        dynamic = not packed and not hasattr(cache, "kv_config")  # a DynamicCache (_cache_ok allows no other)
         x = self._embed(ids)  # [B, 1, H]
         B = x.shape[0]
-        pos = torch.full((B, 1), past, dtype=torch.long, device=x.device)
+        if packed:
+            pos = positions.to(device=x.device, dtype=torch.long).view(B, 1)
+        else:
+            pos = torch.full((B, 1), cache.get_seq_length(), dtype=torch.long, device=x.device)
         cos, sin = self._rotary(x, pos)  # [B, 1, D]
         half = cos.shape[-1] // 2
         cos = cos.unsqueeze(1)  # [B, 1, 1, D] against [B, heads, 1, D]
@@ -364,7 +395,7 @@ class LeanDecode:
         # (KVCache.update's checks, transformers' Cache.update and the per-layer switch test
         # cost ~15 µs a layer; the keys and values are this step's own)
         kv_cache, kv_layer = self._kv_types
-        views = (not dynamic and type(cache) is kv_cache and cache._fused()
+        views = (not packed and not dynamic and type(cache) is kv_cache and cache._fused()
                  and all(type(layer) is kv_layer and layer.is_initialized and layer.quantized
                          for layer in cache.layers))
         for L in self._layers:
@@ -393,6 +424,9 @@ class LeanDecode:
                     q, k = qk[:, :L.hq], qk[:, L.hq:]
             if views:  # append and attend in one call: the fused kernel over its blocks
                 a = cache.layers[L.idx].decode_row(q, k, v, L.scale)
+            elif packed:  # the rows as one sequence [1, heads, B, D], each to its request's cache
+                kv, _ = cache.update(k.transpose(0, 2), v.transpose(0, 2), L.idx)
+                a = kv.attend(q.transpose(0, 2), None, L.scale).transpose(0, 2)
             else:
                 kv, vv = _dynamic_append(cache.layers[L.idx], k, v) if dynamic else cache.update(k, v, L.idx)
                 if hasattr(kv, "attend"):  # a lessmem layer view: the fused kernel over its blocks

@@ -4,6 +4,8 @@ restart on a disk tier; bytes counted once for shared pages; bad input refused f
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from lessmem.formats import PerGroup
 from lessmem.kvcache import PRESETS, KVTensorConfig
 from lessmem.models import tiny_random
 from lessmem.serve import Engine, EngineConfig, SamplingParams
+from lessmem.serve.batch import BatchCache, Segment
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -76,6 +79,41 @@ def test_quantized_weights_batched_equal_alone(weights):
     ps = prompts(4)
     batched, _ = run(m, ps, kv="best-4")
     assert batched == alone(m, ps, kv="best-4")
+
+
+@pytest.mark.parametrize("kv", ["best-4", "fp16"])
+def test_lean_steps_equal_the_forward_and_each_request_alone(kv):
+    """A model with GGUF weights and lessmem's lean decode switch (what ``lessmem.load`` gives)
+    takes the steps of decode rows only without transformers' forward
+    (``LeanDecode.serve_step``): the same tokens as the model's forward in the engine, and as
+    each request alone."""
+    import lessmem
+    from lessmem.weights.gguf_linear import set_int8_activations
+
+    torch.manual_seed(0)
+    m = tiny_random("llama")
+    lessmem.quantize_(m, lessmem.GGUFConfig("Q4_0"), progress=False)
+    set_int8_activations(m, True)  # (as lessmem.load sets it for Q4_0 files)
+    ps = prompts(5)
+    forward, m0 = run(m, ps, kv=kv)
+    with lessmem.lean_decode(m) as switch:
+        lean_step, compared = switch.serve_step, []
+
+        def both(ids, positions, cache):  # the model's own forward on copies of the caches, then the lean step
+            copies = [Segment(s.start, s.end, copy.deepcopy(s.cache), s.chunk) for s in cache.segments]
+            with torch.inference_mode():
+                ref = type(m).forward(m, input_ids=ids.view(1, -1), position_ids=positions.view(1, -1),
+                                      cache=BatchCache(copies, len(cache.layers)), use_cache=True).logits[0]
+            out = lean_step(ids, positions, cache)
+            compared.append(torch.equal(out, ref))
+            return out
+
+        switch.serve_step = both
+        lean, m1 = run(m, ps, kv=kv)
+        solo = alone(m, ps, kv=kv)
+    assert m0["lean_steps"] == 0 and m1["lean_steps"] > 0 and switch.serve_steps >= m1["lean_steps"]
+    assert m1["max_running"] == 5 and len(compared) >= m1["lean_steps"] and all(compared)  # logits bit for bit
+    assert lean == forward == solo
 
 
 def test_fp16_engine_equals_transformers_generate(model):

@@ -91,6 +91,9 @@ class Engine:
         self.kv = cfg.kv
         self._switch = enable(model)
         self._plan = RowPlan(model) if cfg.batch_invariant else None
+        # a model with lessmem's lean decode switch (lessmem.load turns it on) takes steps of
+        # decode rows only without transformers' forward (LeanDecode.serve_step)
+        self._lean = getattr(model, "_lessmem_lean", None)
         self._kwarg = cache_kwarg(model)
         self.layers = text.num_hidden_layers
         self._kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -128,7 +131,8 @@ class Engine:
         self._stop = False
         self.counters = dict(steps=0, prompt_tokens=0, computed_prompt_tokens=0, output_tokens=0,
                              requests_finished=0, preemptions=0, demoted_pages=0, max_running=0,
-                             peak_device_bytes=0, over_budget_steps=0, recomputes=0, step_seconds=0.0)
+                             peak_device_bytes=0, over_budget_steps=0, recomputes=0, step_seconds=0.0,
+                             lean_steps=0)
         self.finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self._eos = []  # the tokenizer's end token and the generation config's (a chat turn's end)
         for eos in (getattr(tok, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
@@ -517,16 +521,24 @@ class Engine:
                 samplers.append(r)
         self.counters["max_running"] = max(self.counters["max_running"], len(self.running))
         dev = self.device
-        kwargs = {self._kwarg: BatchCache(segments, self.layers), "use_cache": True,
-                  "logits_to_keep": torch.tensor(keep or [0], device=dev)}
-        token = self._plan.step(segments) if self._plan is not None else None
-        try:
+        logits = None
+        if self._lean is not None and len(keep) == len(ids) and not any(s.chunk for s in segments):
+            # decode rows only, each sampled: the lean step (None where the model can't take it)
             with torch.inference_mode():
-                out = self.model(input_ids=torch.tensor([ids], device=dev),
-                                 position_ids=torch.tensor([pos], device=dev), **kwargs)
-        finally:
-            if token is not None:
-                RowPlan.done(token)
+                logits = self._lean.serve_step(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                                               BatchCache(segments, self.layers))
+            self.counters["lean_steps"] += logits is not None
+        if logits is None:
+            kwargs = {self._kwarg: BatchCache(segments, self.layers), "use_cache": True,
+                      "logits_to_keep": torch.tensor(keep or [0], device=dev)}
+            token = self._plan.step(segments) if self._plan is not None else None
+            try:
+                with torch.inference_mode():
+                    logits = self.model(input_ids=torch.tensor([ids], device=dev),
+                                        position_ids=torch.tensor([pos], device=dev), **kwargs).logits[0]
+            finally:
+                if token is not None:
+                    RowPlan.done(token)
         held = self.device_bytes()
         self.counters["peak_device_bytes"] = max(self.counters["peak_device_bytes"], held + self._unstage(batch))
         if self.config.kv_budget is not None and held > self.config.kv_budget:
@@ -539,8 +551,7 @@ class Engine:
                         and r.n_cached < len(r.prompt_ids):
                     self.prefix.register(r.prompt_ids, r.n_cached, r.cache)
         if samplers:
-            logits = out.logits[0, :len(samplers)].float()
-            for row, r in zip(logits, samplers, strict=True):
+            for row, r in zip(logits[:len(samplers)].float(), samplers, strict=True):
                 self._accept(r, sample(row, r.params, r.generator))
 
     def _accept(self, r: Request, token: int) -> None:

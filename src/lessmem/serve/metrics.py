@@ -26,7 +26,9 @@ counters (``_total``):
   ``rate()``);
 - ``lessmem_preemptions_total``, ``lessmem_recomputes_total``,
   ``lessmem_kv_pages_demoted_total``, ``lessmem_over_budget_steps_total``,
-  ``lessmem_engine_steps_total``, ``lessmem_engine_step_seconds_total``.
+  ``lessmem_engine_steps_total``, ``lessmem_engine_lean_steps_total`` (steps of decode rows
+  only that skipped transformers' forward: ``LeanDecode.serve_step``),
+  ``lessmem_engine_step_seconds_total``.
 
 Counted by the server: ``lessmem_requests_accepted_total``,
 ``lessmem_requests_rejected_total{status}`` (refused with an HTTP error), and the
@@ -90,6 +92,7 @@ _COUNTERS = (("prefix_queries", "prefix_queries", "prefix-cache look-ups"),
              ("kv_pages_demoted", "demoted_pages", "device KV pages moved to a lower tier"),
              ("over_budget_steps", "over_budget_steps", "steps that ended above the KV budget"),
              ("engine_steps", "steps", "engine scheduler steps"),
+             ("engine_lean_steps", "lean_steps", "engine steps of decode rows only that took the lean decode step"),
              ("engine_step_seconds", "step_seconds", "seconds spent in engine steps"))
 
 
