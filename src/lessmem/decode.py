@@ -368,8 +368,9 @@ class LeanDecode:
         the rows beside it, as the serving engine's batch invariance requires)."""
         from .weights.qlinear import FUSED_MAX_ROWS
 
-        if self.model.training or ids.numel() > FUSED_MAX_ROWS or not self._ready() or not self._all_gguf:
-            return None
+        if (self.model.__dict__.get("_lessmem_lean") is not self or self.model.training
+                or ids.numel() > FUSED_MAX_ROWS or not self._ready() or not self._all_gguf):
+            return None  # (switched off, or a step this model can't take: the model's forward)
         self.serve_steps += 1
         return self.step(ids.view(-1, 1), cache, positions=positions.view(-1))[:, 0]
 

@@ -111,6 +111,7 @@ def test_lean_steps_equal_the_forward_and_each_request_alone(kv):
         switch.serve_step = both
         lean, m1 = run(m, ps, kv=kv)
         solo = alone(m, ps, kv=kv)
+    assert lean_step(torch.tensor([1]), torch.tensor([5]), None) is None  # switched off: the model's forward
     assert m0["lean_steps"] == 0 and m1["lean_steps"] > 0 and switch.serve_steps >= m1["lean_steps"]
     assert m1["max_running"] == 5 and len(compared) >= m1["lean_steps"] and all(compared)  # logits bit for bit
     assert lean == forward == solo

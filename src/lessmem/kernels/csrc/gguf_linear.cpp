@@ -505,14 +505,14 @@ struct XQ8 {
 
 #ifdef LM_Q8_512
 // R weight rows (rb bytes apart) of Q4_0 or Q4_1 against MB x rows in 512-bit registers, two
-// blocks a step. llama.cpp's loop (and rows_dot_q8 above) takes one block at a time and
-// converts and broadcasts its scale with scalar instructions, which was most of the time here.
+// blocks a step, where llama.cpp's loop (and rows_dot_q8 above) takes one block at a time and
+// converts and broadcasts its scale with scalar instructions.
 //  - The two blocks' code bytes go into one register in x's pair order (XQ8::pairs) with one
 //    byte permutation (each code byte twice) and one AND (the low nibbles in the first half,
 //    the high ones, times 16, in the second). One dpbusd per x row then gives 16 int32 lanes,
 //    four per block and half: exact integer sums.
 //  - The blocks' f16 scales (and Q4_1's minima) come 16 blocks at a time with one gather.
-//    The lanes are scaled by dw*dx (dw*dx/16 for the high halves: exact, a power of two) and
+//    The lanes are scaled by dw*dx (dw*dx/16 for the high halves: a power of two, exact) and
 //    added into one float accumulator per (row, x row); the Q4_0 / Q4_1 offset terms
 //    (-8*dw*sx, mw*sx) go into a second one, 16 blocks a multiply-add.
 //  - More x rows share each unpacked register (a serving batch; benchmarks/results/
