@@ -504,6 +504,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e_trim_before.json": "bench_e2e.py",  # lessmem rows at 984a62f, beside e2e_trim_after.json
     "e2e_trim_after.json": "bench_e2e.py",
     "e2e_rss_kinds.json": "bench_e2e.py",  # lessmem rows with the RSS by kind, 512/4096/8192
+    "e2e_512_avx512.json": "bench_e2e.py",  # 512 tokens, every row, a two-core Xeon with AVX-512/AMX (36b5de7+)
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     # --int8-activations --batch 1,4,16 --repeat 200: the 512-bit Q4_0/Q4_1 kernel, and the commit before it
