@@ -85,8 +85,9 @@ def test_quantized_weights_batched_equal_alone(weights):
 def test_lean_steps_equal_the_forward_and_each_request_alone(kv):
     """A model with GGUF weights and lessmem's lean decode switch (what ``lessmem.load`` gives)
     takes the steps of decode rows only without transformers' forward
-    (``LeanDecode.serve_step``): the same tokens as the model's forward in the engine, and as
-    each request alone."""
+    (``LeanDecode.serve_step``): at every such step the logits equal the model's own forward
+    on copies of the caches bit for bit, and the tokens equal the forward path's and each
+    request's alone."""
     import lessmem
     from lessmem.weights.gguf_linear import set_int8_activations
 
