@@ -482,9 +482,11 @@ struct XQ8 {
   int64_t nbp = 0;
   std::vector<int8_t> pairs; std::vector<float> d16, s16;
 #endif
-  XQ8(const float* x, int64_t M, int64_t K) : q(M * K), d(M * (K / 32)), s(M * (K / 32)) {
+  // for_q4: a Q4_0/Q4_1 weight reads it (the pair layout is made only then; Q8_0 reads q, d)
+  XQ8(const float* x, int64_t M, int64_t K, bool for_q4) : q(M * K), d(M * (K / 32)), s(M * (K / 32)) {
     quantize_x_q8(x, M, K, q.data(), d.data(), s.data());
 #ifdef LM_Q8_512
+    if (!for_q4) return;
     const int64_t nb = K / 32, np = (nb + 1) / 2;
     nbp = (nb + 15) / 16 * 16;
     pairs.assign(M * np * 64, 0);
@@ -643,7 +645,7 @@ static void fused_q8_rows(const XQ8& X, const uint8_t* w, float* y, int64_t ldy,
 
 template <int T>
 static void fused_q8_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const XQ8 X(x, M, K);
+  const XQ8 X(x, M, K, T != Q8_0);
   parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) { fused_q8_rows<T>(X, w, y, N, M, K, n0, n1); });
 }
 
@@ -811,7 +813,9 @@ torch::Tensor gguf_linear_multi(torch::Tensor x, std::vector<torch::Tensor> ws, 
     any_q8 |= (bool)q8[i];
     if (!q8[i]) { int64_t qk, ts; traits_of(types[i], qk, ts); (qk == 32 ? any32 : any256) = true; }
   }
-  std::unique_ptr<XQ8> xq(any_q8 ? new XQ8(xp, M, K) : nullptr);
+  bool any_q4 = false;
+  for (size_t i = 0; i < S; ++i) any_q4 |= q8[i] && types[i] != Q8_0;
+  std::unique_ptr<XQ8> xq(any_q8 ? new XQ8(xp, M, K, any_q4) : nullptr);
   std::unique_ptr<XRows> x32(any32 ? new XRows(xp, M, K, 32) : nullptr), x256(any256 ? new XRows(xp, M, K, 256) : nullptr);
   // work items: chunks of 16 rows of each weight, one parallel region over all of them
   std::vector<std::pair<int, int64_t>> items;
