@@ -521,15 +521,15 @@ class Engine:
                 samplers.append(r)
         self.counters["max_running"] = max(self.counters["max_running"], len(self.running))
         dev = self.device
-        logits = None
+        logits, cache = None, BatchCache(segments, self.layers)
         if self._lean is not None and len(keep) == len(ids) and not any(s.chunk for s in segments):
-            # decode rows only, each sampled: the lean step (None where the model can't take it)
+            # decode rows only, each sampled: the lean step (None, the cache untouched, where the
+            # model can't take it)
             with torch.inference_mode():
-                logits = self._lean.serve_step(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                                               BatchCache(segments, self.layers))
+                logits = self._lean.serve_step(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), cache)
             self.counters["lean_steps"] += logits is not None
         if logits is None:
-            kwargs = {self._kwarg: BatchCache(segments, self.layers), "use_cache": True,
+            kwargs = {self._kwarg: cache, "use_cache": True,
                       "logits_to_keep": torch.tensor(keep or [0], device=dev)}
             token = self._plan.step(segments) if self._plan is not None else None
             try:
