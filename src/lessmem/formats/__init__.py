@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from . import _vml  # noqa: F401  (first: its import makes the VML warm-up call)
 from .codebook import fit_codebook, gaussian_codebook, quantize_codebook
 from .fp8 import FP8_FORMATS, quantize_fp8
 from .gguf import GGUF_PATTERN, dequantize_gguf, quantize_gguf, quantize_gguf_qtensor
