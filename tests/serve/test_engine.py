@@ -66,6 +66,47 @@ def test_batched_outputs_equal_each_request_alone(model, kv):
     assert batched == alone(model, ps, kv=kv)
 
 
+@pytest.mark.parametrize("first_closed", ["other", "held"])
+def test_two_engines_on_one_model_leave_each_other_invariant_whatever_closes_first(first_closed):
+    """bench_serve builds its batched engine, then an engine for the alone references, and
+    closes that one first: its close must not take the batch-invariant linears or lessmem's
+    attention from the engine still open (it did: 4 of 12 requests matched alone)."""
+    torch.manual_seed(0)
+    model = tiny_random("llama")
+    own = model.config._attn_implementation
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ps = prompts(4)
+    cfg = EngineConfig(kv="best-4", chunk_tokens=64, step_tokens=128)
+    held, other = Engine(model, None, cfg), Engine(model, None, cfg)
+    first, second = (other, held) if first_closed == "other" else (held, other)
+    first.close()
+    assert model.config._attn_implementation == "lessmem"
+    assert all("forward" in m.__dict__ for m in linears)  # the invariant forward, still installed
+    reqs = [second.submit(p, GREEDY) for p in ps]
+    while second.step():
+        pass
+    assert [r.output_ids for r in reqs] == alone(model, ps, kv="best-4")
+    second.close()
+    assert model.config._attn_implementation == own
+    assert not any("forward" in m.__dict__ or "_lessmem_row_plans" in m.__dict__ for m in linears)
+
+
+def test_attention_switches_nest_and_close_in_any_order():
+    from lessmem.kvcache import enable
+
+    model = tiny_random("llama")
+    own = model.config._attn_implementation
+    a, b = enable(model), enable(model)
+    a.disable()
+    a.disable()  # a second call gives nothing back twice
+    assert model.config._attn_implementation == "lessmem"
+    with enable(model):
+        pass
+    assert model.config._attn_implementation == "lessmem"
+    b.disable()
+    assert model.config._attn_implementation == own
+
+
 @pytest.mark.parametrize("weights", ["fp8", "rtn4"])
 def test_quantized_weights_batched_equal_alone(weights):
     """The row plan covers lessmem's quantized linears too (FP8Linear's matmul depends on its

@@ -86,13 +86,27 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
+_HOLDERS = "_lessmem_attention_switches"  # on the model: [open switches, implementation before]
+
+
 class _Switch:
-    def __init__(self, model, previous):
-        self.model, self.previous = model, previous
+    def __init__(self, model):
+        self.model, self._open = model, True
 
     def disable(self) -> None:
-        """Restore the attention implementation the model had before ``enable``."""
-        _set(self.model, self.previous)
+        """Give the switch back (once; later calls do nothing). The model's attention returns
+        to what it was before the first ``enable`` when no other switch is open: two engines
+        on one model, closed in any order, each keep lessmem attention while they run."""
+        if not self._open:
+            return
+        self._open = False
+        holders = self.model.__dict__.get(_HOLDERS)
+        if holders is None:
+            return
+        holders[0] -= 1
+        if holders[0] <= 0:
+            del self.model.__dict__[_HOLDERS]
+            _set(self.model, holders[1])
 
     def __enter__(self):
         return self
@@ -111,15 +125,21 @@ def _set(model, impl) -> None:
 
 def enable(model) -> _Switch:
     """Run ``model``'s attention through lessmem (see module doc); returns a handle
-    with ``disable()`` that also works as a context manager."""
+    with ``disable()`` that also works as a context manager. Switches nest and may be
+    disabled in any order: the last one open restores the model's own implementation."""
     register()
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if previous == NAME:
-        return _Switch(model, previous)
-    _set(model, NAME)
-    if model.config._attn_implementation != NAME:
-        raise ValueError(f"could not switch the model's attention to {NAME!r}")
-    return _Switch(model, previous)
+    holders = model.__dict__.get(_HOLDERS)
+    if holders is None:
+        previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        holders = model.__dict__[_HOLDERS] = [0, previous]
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        _set(model, NAME)
+        if model.config._attn_implementation != NAME:
+            if not holders[0]:
+                del model.__dict__[_HOLDERS]
+            raise ValueError(f"could not switch the model's attention to {NAME!r}")
+    holders[0] += 1
+    return _Switch(model)
 
 
 def is_enabled(model_config) -> bool:

@@ -173,6 +173,9 @@ def _planned(x: torch.Tensor, plan, out_features: int, alone, tiled) -> torch.Te
     return out.reshape(*shape[:-1], out_features)
 
 
+_HOLDERS = "_lessmem_row_plans"  # a module's attribute: how many RowPlans hold its forward
+
+
 class RowPlan:
     """Installs the batch-invariant ``forward`` on a model's ``nn.Linear`` modules (exactly
     that class) and on lessmem's quantized linears (their own kernels, in pieces) and sets
@@ -186,7 +189,10 @@ class RowPlan:
         own = (GGUFLinear, QuantLinear, FP8Linear)
         self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear or isinstance(m, own)]
         for m in self.modules:
-            m.forward = (_invariant_linear if type(m) is torch.nn.Linear else _invariant_own).__get__(m)
+            held = m.__dict__.get(_HOLDERS, 0)
+            if not held:
+                m.forward = (_invariant_linear if type(m) is torch.nn.Linear else _invariant_own).__get__(m)
+            m.__dict__[_HOLDERS] = held + 1
 
     def step(self, segments: list[Segment]):
         total = segments[-1].end
@@ -199,6 +205,13 @@ class RowPlan:
         _PLAN.reset(token)
 
     def remove(self) -> None:
+        """Give the modules back; their own ``forward`` returns when no other plan holds them
+        (two engines on one model: closing one leaves the other's steps invariant)."""
         for m in self.modules:
-            m.__dict__.pop("forward", None)
+            held = m.__dict__.get(_HOLDERS, 1) - 1
+            if held > 0:
+                m.__dict__[_HOLDERS] = held
+            else:
+                m.__dict__.pop(_HOLDERS, None)
+                m.__dict__.pop("forward", None)
         self.modules = []
