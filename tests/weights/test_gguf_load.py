@@ -12,6 +12,7 @@ import lessmem
 from lessmem.formats.gguf import dequantize_gguf, quantize_gguf
 from lessmem.models import tiny_random
 from lessmem.serve import Engine, EngineConfig, SamplingParams
+from lessmem.weights import gguf_linear
 from lessmem.weights.gguf_export import write_model_gguf
 from lessmem.weights.gguf_linear import GGUFLinear, set_int8_activations
 from lessmem.weights.gguf_load import GGUFEmbedding, hf_name, load_gguf_blocks, permute_rows
@@ -55,7 +56,11 @@ def test_blocks_model_equals_its_decoded_twin(tmp_path, arch, qtype, tied):
         assert torch.allclose(got1, ref1, atol=1e-4, rtol=1e-4), (got1 - ref1).abs().max()
         set_int8_activations(g, True)  # the default: decode rows multiply int8 activations
         got8 = g(ids[:, :5]).logits
-        assert torch.equal(g(ids).logits, got)  # prefill rows keep float activations
+        got_p = g(ids).logits  # prefill rows: float32, or bf16 where the CPU has AMX-BF16
+    if gguf_linear.BF16_PROMPT_ROWS:
+        assert 0 < (got_p - got).abs().max() <= 0.05 * got.abs().max()
+    else:
+        assert torch.equal(got_p, got)
     assert 0 < (got8 - ref1).abs().max() <= 0.05 * ref1.abs().max()
     if tied:  # the lm_head reads the embedding's own blocks: held once
         assert g.lm_head.qweight.data_ptr() == g.model.embed_tokens.qweight.data_ptr()
@@ -150,6 +155,46 @@ def test_prefill_decodes_a_large_weight_in_slices(monkeypatch):
     whole = q(x)
     monkeypatch.setattr(gl, "DECODE_WEIGHTS_MAX", 256 * 32)  # 3 slices of 32 output rows
     assert torch.allclose(q(x), whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_prompt_rows_with_reduced_precision_activations_multiply_in_bf16(monkeypatch, bias):
+    """Prompt rows (more than FUSED_MAX_ROWS) of a layer with int8_activations multiply bf16
+    copies of x and the decoded weight where BF16_PROMPT_ROWS (AMX-BF16); float32 otherwise."""
+    import lessmem.weights.gguf_linear as gl
+
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96, bias=bias)
+    q = GGUFLinear.from_linear(lin, "q4_1")
+    w = q.dequantized_weight()
+    b = None if q.bias is None else q.bias.float()
+    x = torch.randn(40, 256)
+    fp32 = torch.nn.functional.linear(x, w, b)
+    bf16 = (x.bfloat16().double() @ w.bfloat16().double().t()).float()
+    bf16 = bf16 if b is None else bf16 + b
+
+    monkeypatch.setattr(gl, "BF16_PROMPT_ROWS", True)
+    monkeypatch.setattr(gl, "DECODE_WEIGHTS_MAX", 256 * 32)  # in slices of 32 output rows, too
+    assert torch.allclose(q(x), fp32, atol=1e-5, rtol=0)  # the flag off: float32
+    q.int8_activations = True
+    y = q(x)
+    scale = fp32.abs().max()
+    assert (y - bf16).abs().max() <= 2 ** -7 * scale  # sums in float32, the product rounded to bf16
+    assert (y - fp32).abs().max() > 1e-4 * scale  # and it is not the float32 product
+    # decode rows keep the fused int8 kernel
+    assert torch.equal(q(x[:16]), gl._GGUF(x[:16], q.qweight, q._type.ggml_id, 96, q.bias, True))
+    monkeypatch.setattr(gl, "BF16_PROMPT_ROWS", False)
+    assert torch.allclose(q(x), fp32, atol=1e-5, rtol=0)  # no AMX-BF16: float32
+
+
+def test_bf16_prompt_rows_follow_the_cpu():
+    import lessmem.weights.gguf_linear as gl
+
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo")
+    assert gl.BF16_PROMPT_ROWS == ("amx_bf16" in flags)
 
 
 def test_engine_on_blocks_is_batch_invariant(tmp_path):

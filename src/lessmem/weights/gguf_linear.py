@@ -56,6 +56,25 @@ _DEQUANT = torch.ops.lessmem.gguf_dequantize.default
 DECODE_WEIGHTS_MAX = 1 << 22  # prefill decodes at most this many weights (16 MB of floats) at once
 
 
+def _has_amx_bf16() -> bool:
+    try:
+        return bool(torch._C._cpu._get_cpu_capability().get("amx_bf16"))
+    except (AttributeError, RuntimeError):  # another torch: keep float32
+        return False
+
+
+# Prompt rows (more than FUSED_MAX_ROWS) of a layer with int8_activations multiply bfloat16
+# copies of x and of the decoded weight where the CPU has AMX-BF16 (oneDNN's tile kernels;
+# float32 sums, bf16 products out), and that layer's prompt attention takes bf16 q, k, v
+# (kvcache.attention): the reduced-precision activations llama.cpp also uses for prompts (it
+# rounds them to int8, its KV to f16). The evaluation switches int8 activations off, and with
+# them this. bench_e2e on the built-in model, a two-core Sapphire Rapids class Xeon, chunks of
+# 256 (e2e_prefill_fp32.json -> e2e_prefill_bf16.json, fresh processes): 4096-token prompt
+# 11.7 -> 8.4 s (DynamicCache), 12.0 -> 9.1 s (best-4); 1024 tokens 1.78 -> 1.72, 2.21 -> 2.10 s
+# (oneDNN's first-call set-up included). Elsewhere float32, as without the flag.
+BF16_PROMPT_ROWS = _has_amx_bf16()
+
+
 class GGUFLinear(nn.Module):
     """A linear layer with its weight in a GGUF block type; see the module doc."""
 
@@ -69,7 +88,9 @@ class GGUFLinear(nn.Module):
         ``int8_activations``: decode rows (up to ``FUSED_MAX_ROWS``) of a Q4_0, Q4_1 or Q8_0
         weight are quantized to int8 per block of 32 and multiplied with integer dot products
         (``kernels.gguf_linear_cpp.gguf_linear_q8``, what llama.cpp does; ~1.5-2x faster, the
-        outputs move by ~0.5% of their range); other types ignore it."""
+        outputs move by ~0.5% of their range); other types ignore it. Prompt rows (more than
+        ``FUSED_MAX_ROWS``) of any type then multiply in bfloat16 where the CPU has AMX-BF16
+        (``BF16_PROMPT_ROWS``); elsewhere, and with the flag off, in float32."""
         super().__init__()
         if not isinstance(int8_activations, bool):
             raise ValueError(f"GGUFLinear int8_activations={int8_activations!r} must be True or False")
@@ -184,20 +205,32 @@ class GGUFLinear(nn.Module):
         # the op (kernels.linear_ops): CPU C++, CUDA Triton, the bias added inside
         return _GGUF(x, self.qweight, self._type.ggml_id, self.out_features, bias, self.int8_activations)
 
+    @property
+    def bf16_prompt_rows(self) -> bool:
+        """Prompt rows multiply in bfloat16 (``int8_activations`` on a CPU with AMX-BF16); the
+        attention of the layer this projects for follows it (``kvcache.attention``)."""
+        return self.int8_activations and BF16_PROMPT_ROWS
+
     def _decoded_matmul(self, x: torch.Tensor, bias) -> torch.Tensor:
         """Many rows: decode the weight and use BLAS, ``DECODE_ROWS_MAX`` output rows of it at a
-        time, so a large matrix (a 49k-row tied ``lm_head``) is never held whole as floats."""
-        xf = x.float()
+        time, so a large matrix (a 49k-row tied ``lm_head``) is never held whole as floats.
+        With ``int8_activations`` on a CPU with AMX-BF16, x and the decoded rows are rounded
+        to bfloat16 for the product (``bf16_prompt_rows``)."""
+        bf16 = self.bf16_prompt_rows and x.device.type == "cpu"
+        xf = x.to(torch.bfloat16) if bf16 else x.float()
         bias = None if bias is None else bias.float()
         step = max(1, DECODE_WEIGHTS_MAX // self.in_features)
-        if self.out_features <= step:
-            w = _DEQUANT(self.qweight, self._type.ggml_id, self.out_features, self.in_features)
-            return F.linear(xf, w, bias).to(x.dtype)
-        y = xf.new_empty(*x.shape[:-1], self.out_features)
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32, device=x.device)
         for n0 in range(0, self.out_features, step):
             n1 = min(n0 + step, self.out_features)
             w = _DEQUANT(self.qweight[n0:n1], self._type.ggml_id, n1 - n0, self.in_features)
-            y[..., n0:n1] = F.linear(xf, w, None if bias is None else bias[n0:n1])
+            b = None if bias is None else bias[n0:n1]
+            if bf16:  # bf16 product (fp32 sums, bf16 out), the bias added in float32
+                y[..., n0:n1] = F.linear(xf, w.to(torch.bfloat16))
+                if b is not None:
+                    y[..., n0:n1] += b
+            else:
+                y[..., n0:n1] = F.linear(xf, w, b)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
