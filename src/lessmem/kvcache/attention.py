@@ -30,12 +30,36 @@ Example:
 
 from __future__ import annotations
 
+import torch
+
+from .view import BF16_MIN_ROWS, PROMPT_BF16
+
 NAME = "lessmem"
+
+
+def _prompt_bf16(module, query) -> bool:
+    """A prompt chunk on the CPU of a layer whose linears multiply prompts in bfloat16
+    (``GGUFLinear.bf16_prompt_rows``: reduced-precision activations on AMX-BF16)."""
+    if query.shape[-2] < BF16_MIN_ROWS or query.dtype != torch.float32 or query.device.type != "cpu":
+        return False
+    return bool(getattr(getattr(module, "o_proj", None), "bf16_prompt_rows", False))
 
 
 def lessmem_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers attention function: fused path for lessmem layer views, SDPA otherwise."""
+    """transformers attention function: fused path for lessmem layer views, SDPA otherwise.
+    A prompt chunk of a layer with bf16 prompt rows attends with bfloat16 q, k, v
+    (``view.PROMPT_BF16``); everything else in q's dtype."""
+    if not _prompt_bf16(module, query):
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    token = PROMPT_BF16.set(True)
+    try:
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    finally:
+        PROMPT_BF16.reset(token)
+
+
+def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")  # Gemma-2's attn_logit_softcapping: SDPA cannot apply it
     if hasattr(key, "attend"):  # a LayerView, or any view of that protocol (the serving engine's batch view)
@@ -51,6 +75,13 @@ def lessmem_attention(module, query, key, value, attention_mask, dropout: float 
         return _softcapped(query, key, value, attention_mask, scale, float(softcap)), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if PROMPT_BF16.get() and key.dtype == torch.float32:  # bf16 copies; the output back in float32
+        m = attention_mask
+        m = m.to(torch.bfloat16) if m is not None and m.dtype != torch.bool else m
+        out, w = sdpa_attention_forward(module, query.to(torch.bfloat16), key.to(torch.bfloat16),
+                                        value.to(torch.bfloat16), m, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
+        return out.float(), w
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 

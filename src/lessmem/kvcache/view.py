@@ -19,6 +19,7 @@ and unswitched models get): dequantize everything with the layouts, concatenate.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,21 @@ from ..kernels.attention import (
     fused_attention_rows,
     quantized_attention,
 )
+
+# Set by lessmem_attention (kvcache.attention) while a prompt chunk of a layer with reduced-
+# precision activations attends on a CPU with AMX-BF16: the full-precision attention calls
+# below then take bfloat16 copies of q, k and v (oneDNN's AMX kernels; the softmax, its
+# log-sum-exp and the merges stay float32). Decode rows never see it.
+PROMPT_BF16: contextvars.ContextVar = contextvars.ContextVar("lessmem_prompt_bf16", default=False)
+BF16_MIN_ROWS = 17  # query rows (per KV head) below which attention stays float32
+
+
+def _bf16(q, k, v, mask):
+    """q, k, v (and an additive mask) in bfloat16 where PROMPT_BF16 holds for this many rows."""
+    if not PROMPT_BF16.get() or q.shape[-2] < BF16_MIN_ROWS or q.dtype != torch.float32:
+        return None
+    m = None if mask is None else (mask if mask.dtype == torch.bool else mask.to(torch.bfloat16))
+    return q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), m
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
@@ -64,6 +80,11 @@ def _fp_attention(q, k, v, mask, scaling):
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if q.device.type == "cpu":
+        low = _bf16(q, k, v, mask)
+        if low is not None:  # a prompt chunk in bf16 (PROMPT_BF16): out back to float32, lse is
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                *low[:3], 0.0, False, attn_mask=low[3], scale=scaling)
+            return out.float(), lse
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scaling)
         return out, lse
@@ -94,7 +115,11 @@ def _merge(out_a, lse_a, out_b, lse_b):
 def _sdpa_gqa(q, k, v, mask, scaling):
     """SDPA over full-precision k, v with fewer KV heads than query heads, read in place
     (``enable_gqa``, torch 2.5+; older torch expands them)."""
+    low = _bf16(q, k, v, mask) if q.device.type == "cpu" else None
     try:
+        if low is not None:  # a prompt chunk in bf16 (PROMPT_BF16)
+            return F.scaled_dot_product_attention(*low[:3], attn_mask=low[3], scale=scaling,
+                                                  enable_gqa=True).float()
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     except TypeError:
         return _fp_attention(q, k, v, mask, scaling)[0]
