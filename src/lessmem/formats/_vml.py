@@ -10,10 +10,10 @@ so one prompt's keys and queries differed run to run and greedy tokens drifted f
 there: the serving engine gave different text for the same batch in a third of processes.
 A first call made on one thread (8 elements stay on the caller) took it away: 0 of 120
 processes wrong against 6 of 120 without it. :func:`warm_vml` makes that call for every
-function torch routes to VML, float32 and float64, once per process (well under a
-millisecond after MKL's own one-time set-up, which the first call pays anyway:
-17 ms here). Importing this module (the first thing :mod:`lessmem.formats` imports) runs it, so every layer that computes with
-torch has it before its first forward.
+function torch routes to VML, float32 and float64, once per process (17 ms here, nearly all
+of it MKL's own one-time set-up, which the first call pays anyway). Importing this module
+(the first thing :mod:`lessmem.formats` imports) runs it, so every layer that computes
+with torch has it before its first forward.
 
 Example:
     >>> from lessmem.formats._vml import warm_vml

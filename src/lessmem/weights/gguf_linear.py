@@ -212,25 +212,29 @@ class GGUFLinear(nn.Module):
         return self.int8_activations and BF16_PROMPT_ROWS
 
     def _decoded_matmul(self, x: torch.Tensor, bias) -> torch.Tensor:
-        """Many rows: decode the weight and use BLAS, ``DECODE_ROWS_MAX`` output rows of it at a
+        """Many rows: decode the weight and use BLAS, ``DECODE_WEIGHTS_MAX`` weights of it at a
         time, so a large matrix (a 49k-row tied ``lm_head``) is never held whole as floats.
         With ``int8_activations`` on a CPU with AMX-BF16, x and the decoded rows are rounded
         to bfloat16 for the product (``bf16_prompt_rows``)."""
         bf16 = self.bf16_prompt_rows and x.device.type == "cpu"
         xf = x.to(torch.bfloat16) if bf16 else x.float()
         bias = None if bias is None else bias.float()
+
+        def product(n0: int, n1: int) -> torch.Tensor:  # float32 outputs n0..n1
+            w = _DEQUANT(self.qweight[n0:n1], self._type.ggml_id, n1 - n0, self.in_features)
+            b = None if bias is None else bias[n0:n1]
+            if not bf16:
+                return F.linear(xf, w, b)
+            out = F.linear(xf, w.to(torch.bfloat16)).float()  # float32 sums, the product in bf16
+            return out if b is None else out.add_(b)  # the bias added in float32
+
         step = max(1, DECODE_WEIGHTS_MAX // self.in_features)
+        if self.out_features <= step:
+            return product(0, self.out_features).to(x.dtype)
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32, device=x.device)
         for n0 in range(0, self.out_features, step):
             n1 = min(n0 + step, self.out_features)
-            w = _DEQUANT(self.qweight[n0:n1], self._type.ggml_id, n1 - n0, self.in_features)
-            b = None if bias is None else bias[n0:n1]
-            if bf16:  # bf16 product (fp32 sums, bf16 out), the bias added in float32
-                y[..., n0:n1] = F.linear(xf, w.to(torch.bfloat16))
-                if b is not None:
-                    y[..., n0:n1] += b
-            else:
-                y[..., n0:n1] = F.linear(xf, w, b)
+            y[..., n0:n1] = product(n0, n1)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
