@@ -161,8 +161,7 @@ def test_prefill_decodes_a_large_weight_in_slices(monkeypatch):
 def test_prompt_rows_with_reduced_precision_activations_multiply_in_bf16(monkeypatch, bias):
     """Prompt rows (more than FUSED_MAX_ROWS) of a layer with int8_activations multiply bf16
     copies of x and the decoded weight where BF16_PROMPT_ROWS (AMX-BF16); float32 otherwise."""
-    import lessmem.weights.gguf_linear as gl
-
+    gl = gguf_linear
     torch.manual_seed(0)
     lin = nn.Linear(256, 96, bias=bias)
     q = GGUFLinear.from_linear(lin, "q4_1")
@@ -188,13 +187,11 @@ def test_prompt_rows_with_reduced_precision_activations_multiply_in_bf16(monkeyp
 
 
 def test_bf16_prompt_rows_follow_the_cpu():
-    import lessmem.weights.gguf_linear as gl
-
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
         pytest.skip("no /proc/cpuinfo")
-    assert gl.BF16_PROMPT_ROWS == ("amx_bf16" in flags)
+    assert gguf_linear.BF16_PROMPT_ROWS == ("amx_bf16" in flags)
 
 
 def test_engine_on_blocks_is_batch_invariant(tmp_path):
