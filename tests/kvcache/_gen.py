@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lessmem.kvcache import PRESETS
+from lessmem.kvcache.cache import prefill_chunks
 from lessmem.kvcache.tiered import cache_kwargs
 
 CFG = PRESETS["int4"].replace(window=16, block_size=16)
@@ -22,10 +23,9 @@ def prompt(n: int = 150, seed: int = 0) -> torch.Tensor:
 
 
 def chunked_prefill(m, cache, ids, chunk: int = 32) -> torch.Tensor:
-    with torch.no_grad():
-        for a in range(0, ids.shape[1], chunk):
-            out = m(ids[:, a:a + chunk], **cache_kwargs(m, cache))
-    return out.logits[:, -1].float()
+    """The library's chunked prefill (the last position's logits only), what caches' own
+    ``prefill`` methods run."""
+    return prefill_chunks(m, cache, ids, chunk)
 
 
 def decode(m, cache, logits, steps: int, check=None) -> tuple[list[int], list[torch.Tensor]]:

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ...offload import TierFullError
-from ..cache import cache_kwargs, check_model_config
+from ..cache import check_model_config, prefill_chunks
 from ..shape import head_dim as model_head_dim
 from .blocks import BlockLostError
 
@@ -89,12 +89,8 @@ def prefill(cache, model, input_ids: torch.Tensor, chunk: int | None, save: bool
         if reuse_prefix:
             start = cache.restore_blocks(input_ids[0], dtype=getattr(model, "dtype", None),
                                          device=getattr(model, "device", None))
-    step = chunk or cache.block_tokens
-    out = None
-    with torch.no_grad():
-        for a in range(start, input_ids.shape[1], step):
-            out = model(input_ids[:, a:a + step], **cache_kwargs(model, cache))
-    logits = out.logits[:, -1].float()
+    # the tokens not restored, a chunk a forward, only the last position's logits computed
+    logits = prefill_chunks(model, cache, input_ids[:, start:], chunk or cache.block_tokens)
     if save and single:
         try:
             cache.save_prefix(input_ids[0], logits)
