@@ -298,10 +298,12 @@ def check_serve(data: dict, fresh: bool) -> None:
         h, "fp16_kv_bytes_per_token", int, "header"), "KV budget not sized by the fp16 rule"
     rows = need(data, "rows", list, "result")
     lm = [r for r in rows if str(r.get("engine", "")).startswith("lessmem")]
-    partial = "--no-peers" in h["command"]  # a run of some rows only (e.g. the shared-prefix one)
+    argv = h["command"].split()
+    partial = "--no-peers" in argv  # a run of some rows only (e.g. the shared-prefix one)
     assert lm, "no lessmem rows"
-    if not partial:
-        assert {"fp16", "best-4"} <= {r.get("kv") for r in lm}, "the fp16 and best-4 rows are missing"
+    if not partial:  # the presets --kv named (default: fp16 and best-4 among them) each have a row
+        named = set(argv[argv.index("--kv") + 1].split(",")) if "--kv" in argv else {"fp16", "best-4"}
+        assert named <= {r.get("kv") for r in lm}, f"rows for {sorted(named)} are missing"
         engines = {r.get("engine", "") for r in rows}
         assert any("one by one" in e for e in engines) and any("generate_batch" in e for e in engines), engines
     for i, r in enumerate(rows):
@@ -344,8 +346,9 @@ def check_serve(data: dict, fresh: bool) -> None:
     if need(h, "shared_prefix_tokens", int, "header") > 0:
         assert any(r["scenario"] == "shared-prefix" for r in lm), "no shared-prefix row"
     derived = need(data, "derived", dict, "result")
-    for key in ("best4_vs_fp16_max_running", "best4_vs_one_by_one_tok_s"):
-        if not partial:
+    kvs = {r.get("kv") for r in lm}  # each ratio where its rows ran
+    for key, rows_for in (("best4_vs_fp16_max_running", {"fp16", "best-4"}), ("best4_vs_one_by_one_tok_s", {"best-4"})):
+        if not partial and rows_for <= kvs:
             positive(derived, key, "derived")
     targets = need(data, "targets", list, "result")
     by = {need(t, "target", str, "targets"): t for t in targets}
@@ -505,6 +508,9 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e_trim_after.json": "bench_e2e.py",
     "e2e_rss_kinds.json": "bench_e2e.py",  # lessmem rows with the RSS by kind, 512/4096/8192
     "e2e_512_avx512.json": "bench_e2e.py",  # 512 tokens, every row, a two-core Xeon with AVX-512/AMX (36b5de7+)
+    # --prompts 1024,4096 --chunk 256, lessmem DynamicCache and best-4: prompts in float32 (6db7b66)
+    "e2e_prefill_fp32.json": "bench_e2e.py",
+    "e2e_prefill_bf16.json": "bench_e2e.py",  # and in bf16 on AMX-BF16 (935b5d9), same sitting
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     # --int8-activations --batch 1,4,16 --repeat 200: the 512-bit Q4_0/Q4_1 kernel, and the commit before it
@@ -529,6 +535,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "bench_first_run.json": "bench_first_run.py",
     "serve.json": "bench_serve.py",
     "serve_shared_prefix.json": "bench_serve.py",  # --no-peers: best-4, 2k prompts, a 1.5k shared prefix
+    "serve_inprocess.json": "bench_serve.py",  # --inprocess: 12 x 512+96, best-4 only, 12 checked alone
     "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
     "gpu.json": "bench_gpu.py",  # the H200 run of 2026-12-04
 }
