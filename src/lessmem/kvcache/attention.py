@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .view import BF16_MIN_ROWS, PROMPT_BF16
+from .view import BF16_MIN_ROWS, PROMPT_BF16, _bf16
 
 NAME = "lessmem"
 
@@ -50,13 +50,12 @@ def lessmem_attention(module, query, key, value, attention_mask, dropout: float 
     """transformers attention function: fused path for lessmem layer views, SDPA otherwise.
     A prompt chunk of a layer with bf16 prompt rows attends with bfloat16 q, k, v
     (``view.PROMPT_BF16``); everything else in q's dtype."""
-    if not _prompt_bf16(module, query):
-        return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    token = PROMPT_BF16.set(True)
+    token = PROMPT_BF16.set(True) if _prompt_bf16(module, query) else None
     try:
         return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     finally:
-        PROMPT_BF16.reset(token)
+        if token is not None:
+            PROMPT_BF16.reset(token)
 
 
 def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
@@ -75,11 +74,9 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
         return _softcapped(query, key, value, attention_mask, scale, float(softcap)), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if PROMPT_BF16.get() and key.dtype == torch.float32:  # bf16 copies; the output back in float32
-        m = attention_mask
-        m = m.to(torch.bfloat16) if m is not None and m.dtype != torch.bool else m
-        out, w = sdpa_attention_forward(module, query.to(torch.bfloat16), key.to(torch.bfloat16),
-                                        value.to(torch.bfloat16), m, dropout=dropout, scaling=scaling,
+    low = _bf16(query, key, value, attention_mask) if key.dtype == torch.float32 else None
+    if low is not None:  # a prompt chunk in bf16 (PROMPT_BF16); the output back in float32
+        out, w = sdpa_attention_forward(module, *low, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
         return out.float(), w
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
