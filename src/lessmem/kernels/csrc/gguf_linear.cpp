@@ -806,15 +806,14 @@ torch::Tensor gguf_linear_multi(torch::Tensor x, std::vector<torch::Tensor> ws, 
   auto y = torch::empty(shape, x2.options());
   float* yp = y.data_ptr<float>();
   // the x layouts the weights need, made once each: int8 blocks, float rows by block size
-  bool any_q8 = false, any32 = false, any256 = false;
+  bool any_q8 = false, any_q4 = false, any32 = false, any256 = false;
   std::vector<int> q8(S);
   for (size_t i = 0; i < S; ++i) {
     q8[i] = int8_activations && gguf_q8_supported(types[i]);
     any_q8 |= (bool)q8[i];
+    any_q4 |= q8[i] && types[i] != Q8_0;
     if (!q8[i]) { int64_t qk, ts; traits_of(types[i], qk, ts); (qk == 32 ? any32 : any256) = true; }
   }
-  bool any_q4 = false;
-  for (size_t i = 0; i < S; ++i) any_q4 |= q8[i] && types[i] != Q8_0;
   std::unique_ptr<XQ8> xq(any_q8 ? new XQ8(xp, M, K, any_q4) : nullptr);
   std::unique_ptr<XRows> x32(any32 ? new XRows(xp, M, K, 32) : nullptr), x256(any256 ? new XRows(xp, M, K, 256) : nullptr);
   // work items: chunks of 16 rows of each weight, one parallel region over all of them
