@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from lessmem.base.paths import cache_dir
-from lessmem.formats._vml import warm_vml
+from lessmem.formats import _vml  # noqa: F401  (its import makes the first VML call on one thread)
 
 
 class ModelFetchError(RuntimeError):
@@ -239,7 +239,6 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
         raise ValueError(f"weights={weights!r}; allowed: {', '.join(map(repr, WEIGHTS))}")
     if not isinstance(tokenizer, bool):
         raise ValueError(f"tokenizer={tokenizer!r}; allowed: True or False")
-    warm_vml()  # before any forward: the first VML call on one thread (formats._vml)
     if kind == "builtin":
         model, tok = _load_builtin(BUILTIN[name], dtype, weights, tokenizer)
     elif kind == "gguf":
