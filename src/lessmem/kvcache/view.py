@@ -80,14 +80,11 @@ def _fp_attention(q, k, v, mask, scaling):
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if q.device.type == "cpu":
-        low = _bf16(q, k, v, mask)
-        if low is not None:  # a prompt chunk in bf16 (PROMPT_BF16): out back to float32, lse is
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                *low[:3], 0.0, False, attn_mask=low[3], scale=scaling)
-            return out.float(), lse
+        low = _bf16(q, k, v, mask)  # a prompt chunk in bf16 (PROMPT_BF16): out back to float32, lse is
+        q_, k_, v_, m_ = low if low is not None else (q, k, v, mask)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scaling)
-        return out, lse
+            q_, k_, v_, 0.0, False, attn_mask=m_, scale=scaling)
+        return (out if low is None else out.float()), lse
     s = (q @ k.transpose(-1, -2)) * scaling
     if mask is not None:
         s = s + mask
@@ -115,12 +112,11 @@ def _merge(out_a, lse_a, out_b, lse_b):
 def _sdpa_gqa(q, k, v, mask, scaling):
     """SDPA over full-precision k, v with fewer KV heads than query heads, read in place
     (``enable_gqa``, torch 2.5+; older torch expands them)."""
-    low = _bf16(q, k, v, mask) if q.device.type == "cpu" else None
+    low = _bf16(q, k, v, mask) if q.device.type == "cpu" else None  # a prompt chunk in bf16
+    q_, k_, v_, m_ = low if low is not None else (q, k, v, mask)
     try:
-        if low is not None:  # a prompt chunk in bf16 (PROMPT_BF16)
-            return F.scaled_dot_product_attention(*low[:3], attn_mask=low[3], scale=scaling,
-                                                  enable_gqa=True).float()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, scale=scaling, enable_gqa=True)
+        return out if low is None else out.float()
     except TypeError:
         return _fp_attention(q, k, v, mask, scaling)[0]
 
