@@ -67,6 +67,10 @@ def test_decoders_bit_identical(backend, t):
         ref = dequantize_gguf(raw, t, (n, k))
         dq = kern.gguf_dequantize(raw, t, n, k)
         assert dq.numpy().tobytes() == ref.numpy().tobytes()  # every bit, signs of zero too
+        # straight to bfloat16 (prompt rows on AMX-BF16): torch's round-to-nearest-even of the float32 decode
+        dq16 = kern.gguf_dequantize(raw, t, n, k, dtype=torch.bfloat16)
+        assert dq16.dtype == torch.bfloat16
+        assert torch.equal(dq16.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
         # the fused path on one-hot inputs returns each weight exactly
         assert torch.equal(kern.gguf_linear(torch.eye(k), raw, t, n).T, ref)
 
@@ -95,6 +99,8 @@ def test_kernel_bad_inputs():
         kern.gguf_dequantize(raw, "q8_0", 4, 48)
     with pytest.raises(ValueError, match="uint8 torch.Tensor"):
         kern.gguf_linear(torch.randn(1, 64), raw.to(torch.int16), "q8_0", 4)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16; allowed: torch.float32, torch.bfloat16"):
+        kern.gguf_dequantize(raw, "q8_0", 4, 64, dtype=torch.float16)
 
 
 # ---------------------------------------------------------------- GGUFLinear

@@ -62,7 +62,7 @@ _SOURCE_FILE = "gguf_linear.cpp"
 # ``GGUF_TYPES`` and the non-linear 4-bit IQ4_NL / IQ4_XS (``formats.gguf_iquants``).
 KERNEL_TYPES = (*GGUF_TYPES, "iq4_nl", "iq4_xs")
 
-_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "register_ops", "gguf_linear_multi",
+_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "gguf_dequantize_bf16", "register_ops", "gguf_linear_multi",
           "rms_norm_rows", "rms_sum_width", "rope_rows", "qkv_rope_rows", "silu_mul_rows"]
 _FLAGS = ["-ffp-contract=off"]  # decoders must not fuse d*q + m into one rounding
 
@@ -175,10 +175,17 @@ def gguf_linear_q8_prechecked(x: torch.Tensor, raw: torch.Tensor, t, out_feature
     return m.gguf_linear_q8(x, raw, t.ggml_id, out_features, _NO_BIAS if bias is None else bias.float())
 
 
-def gguf_dequantize(raw: torch.Tensor, qtype, out_features: int, in_features: int) -> torch.Tensor:
-    """float32 ``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf``."""
+def gguf_dequantize(raw: torch.Tensor, qtype, out_features: int, in_features: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``W_hat [N, K]``, bit-identical to ``formats.gguf.dequantize_gguf`` (float32), or to its
+    ``.to(torch.bfloat16)`` with ``dtype=torch.bfloat16`` (on the CPU written as bfloat16 in
+    the same pass: no float32 matrix)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"gguf_dequantize dtype={dtype}; allowed: torch.float32, torch.bfloat16")
     t = _check(raw, qtype, out_features, in_features)
     m = _mod()
     if m is None or not raw.is_cpu:  # decoded with torch ops on raw's own device
-        return fallback.gguf_dequantize_torch(raw, t, out_features)
+        return fallback.gguf_dequantize_torch(raw, t, out_features).to(dtype)
+    if dtype is torch.bfloat16:
+        return m.gguf_dequantize_bf16(raw, t.ggml_id, int(out_features), int(in_features))
     return m.gguf_dequantize(raw, t.ggml_id, int(out_features), int(in_features))

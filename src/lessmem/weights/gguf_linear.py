@@ -221,11 +221,14 @@ class GGUFLinear(nn.Module):
         bias = None if bias is None else bias.float()
 
         def product(n0: int, n1: int) -> torch.Tensor:  # float32 outputs n0..n1
-            w = _DEQUANT(self.qweight[n0:n1], self._type.ggml_id, n1 - n0, self.in_features)
             b = None if bias is None else bias[n0:n1]
             if not bf16:
+                w = _DEQUANT(self.qweight[n0:n1], self._type.ggml_id, n1 - n0, self.in_features)
                 return F.linear(xf, w, b)
-            out = F.linear(xf, w.to(torch.bfloat16)).float()  # float32 sums, the product in bf16
+            # the rows decoded straight to bfloat16 (= the float32 decode's .to(bfloat16))
+            w = kernel.gguf_dequantize(self.qweight[n0:n1], self._type, n1 - n0, self.in_features,
+                                       dtype=torch.bfloat16)
+            out = F.linear(xf, w).float()  # float32 sums, the product in bf16
             return out if b is None else out.add_(b)  # the bias added in float32
 
         step = max(1, DECODE_WEIGHTS_MAX // self.in_features)

@@ -663,6 +663,42 @@ static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
   });
 }
 
+// 16 float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) does on
+// the CPU (a NaN becomes 0xffff, as there)
+static inline void store_bf16(uint16_t* out, V16 a) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i u = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
+  _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(r));
+#else
+  alignas(64) float t[16];
+  vstore(t, a);
+  for (int j = 0; j < 16; ++j) {
+    uint32_t u;
+    std::memcpy(&u, t + j, 4);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    out[j] = (uint16_t)(t[j] != t[j] ? 0xffffu : r);
+  }
+#endif
+}
+
+template <int T>
+static void dequant_bf16_impl(const uint8_t* w, uint16_t* out, int64_t N, int64_t K) {
+  // as dequant_impl, each weight written as bfloat16 (one pass, half the bytes of float32 + a cast)
+  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
+  const int64_t nb = K / QK;
+  parallel_chunks(N * nb, 256, N * K, [&](int64_t i0, int64_t i1) {
+    alignas(64) uint8_t q[QK];
+    float a[NG], c[NG];
+    for (int64_t i = i0; i < i1; ++i) {
+      decode<T>(w + i * TS, q, a, c);
+      for (int g = 0; g < NG; ++g) store_bf16(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
+    }
+  });
+}
+
 #define DISPATCH(F, ...) switch (type) { \
   case Q4_0: F<Q4_0>(__VA_ARGS__); break; case Q4_1: F<Q4_1>(__VA_ARGS__); break; \
   case Q5_0: F<Q5_0>(__VA_ARGS__); break; case Q5_1: F<Q5_1>(__VA_ARGS__); break; \
@@ -713,6 +749,14 @@ torch::Tensor gguf_dequantize(torch::Tensor w, int64_t type, int64_t N, int64_t 
   w = w.contiguous();
   auto out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
   DISPATCH(dequant_impl, w.data_ptr<uint8_t>(), out.data_ptr<float>(), N, K)
+  return out;
+}
+
+torch::Tensor gguf_dequantize_bf16(torch::Tensor w, int64_t type, int64_t N, int64_t K) {
+  // w uint8 raw GGUF rows -> bfloat16 [N, K], bit-identical to gguf_dequantize(...).to(bfloat16)
+  w = w.contiguous();
+  auto out = torch::empty({N, K}, torch::dtype(torch::kBFloat16));
+  DISPATCH(dequant_bf16_impl, w.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N, K)
   return out;
 }
 
