@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base.cpu import trim_heap
+from .kvcache.view import attend_rows
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _ACTS = ("silu", "swish")
@@ -287,6 +288,9 @@ class LeanDecode:
         from .kvcache.layer import QuantizedKVLayer
 
         self._kv_types = (KVCache, QuantizedKVLayer)  # for step's direct path (not imported per step)
+        from .serve.paged import PagedKVLayer
+
+        self._row_layers = (QuantizedKVLayer, PagedKVLayer)  # a serving step's direct path (_rows_attend)
         fields = CausalLMOutputWithPast.__dataclass_fields__
         self._out_cls = CausalLMOutputWithPast
         self._cache_field = "cache" if "cache" in fields else "past_key_values"
@@ -399,6 +403,9 @@ class LeanDecode:
         views = (not packed and not dynamic and type(cache) is kv_cache and cache._fused()
                  and all(type(layer) is kv_layer and layer.is_initialized and layer.quantized
                          for layer in cache.layers))
+        # a serving step: row b's request cache (one token a segment), for _rows_attend
+        caches = ([s.cache for s in cache.segments] if packed and x.device.type == "cpu"
+                  and len(getattr(cache, "segments", ())) == B else None)
         for L in self._layers:
             h = L.ln1(x)
             y = L.qkv(h) if L.qkv is not None else None  # q, k and v in one call
@@ -425,6 +432,8 @@ class LeanDecode:
                     q, k = qk[:, :L.hq], qk[:, L.hq:]
             if views:  # append and attend in one call: the fused kernel over its blocks
                 a = cache.layers[L.idx].decode_row(q, k, v, L.scale)
+            elif packed and (a := self._rows_attend(caches, L.idx, q, k, v, L.scale)) is not None:
+                pass  # each row against its own request's layer, all in one kernel call
             elif packed:  # the rows as one sequence [1, heads, B, D], each to its request's cache
                 kv, _ = cache.update(k.transpose(0, 2), v.transpose(0, 2), L.idx)
                 a = kv.attend(q.transpose(0, 2), None, L.scale).transpose(0, 2)
@@ -445,6 +454,38 @@ class LeanDecode:
             else:
                 x = x + L.down(F.silu(L.gate(h)) * L.up(h))
         return self._head(self._norm(x))
+
+    def _rows_attend(self, caches, idx: int, q, k, v, scale: float):
+        """A serving step's attention in layer ``idx`` without the step's ``BatchCache`` and
+        views (``cache.update`` then ``BatchView.attend``): row b (``q``/``k``/``v`` [B, heads,
+        1, D]) against ``caches[b]``'s layer, every row in one ``attend_rows`` call over the
+        same pieces those views hand it (sinks, window, the row's own token; the history as
+        stored), then each token appended, as the views' path does: the same numbers, bit for
+        bit. None (nothing appended) where a layer is not a plain quantized one on the fused
+        path with a history, or the rows' rotations differ; the caller takes the views then."""
+        if caches is None:
+            return None
+        layers = [c.layers[idx] for c in caches]
+        first, hists = layers[0], []
+        for layer in layers:
+            if (type(layer) not in self._row_layers or not layer.is_initialized or not layer.quantized
+                    or layer.rot_k is not first.rot_k or layer.rot_v is not first.rot_v
+                    or (layer.queries is not None and not layer.queries.full) or not layer._fused()):
+                return None
+            h = layer.read_history()
+            if h is None:
+                return None
+            hists.append(h)
+        B, Hq, _, D = q.shape
+        ks, vs = k.split(1), v.split(1)
+        pieces = [[p for p in (layer.sinks, layer.window) if p[0].shape[2]] + [(kb, vb)]
+                  for layer, kb, vb in zip(layers, ks, vs, strict=True)]
+        out = attend_rows(first, q.reshape(B, Hq, D), scale, hists, pieces)
+        if out is None:
+            return None
+        for layer, kb, vb in zip(layers, ks, vs, strict=True):
+            layer._append(kb, vb)
+        return out.view(B, Hq, 1, D).to(q.dtype)
 
 
 SPLIT_PIECE_TOKENS = 1024  # one_token_attention splits a history only into pieces of >= this many tokens

@@ -126,7 +126,8 @@ def test_quantized_weights_batched_equal_alone(weights):
 def test_lean_steps_equal_the_forward_and_each_request_alone(kv):
     """A model with GGUF weights and lessmem's lean decode switch (what ``lessmem.load`` gives)
     takes the steps of decode rows only without transformers' forward
-    (``LeanDecode.serve_step``): at every such step the logits equal the model's own forward
+    (``LeanDecode.serve_step``; rows over a quantized history attend without the step's views,
+    ``_rows_attend``): at every such step the logits equal the model's own forward
     on copies of the caches bit for bit, and the tokens equal the forward path's and each
     request's alone."""
     import lessmem
@@ -151,12 +152,21 @@ def test_lean_steps_equal_the_forward_and_each_request_alone(kv):
             return out
 
         switch.serve_step = both
+        rows_attend, direct = switch._rows_attend, []
+
+        def counted(*args):  # the rows' attention without the step's views (a quantized history)
+            out = rows_attend(*args)
+            direct.append(out is not None)
+            return out
+
+        switch._rows_attend = counted
         lean, m1 = run(m, ps, kv=kv)
         solo = alone(m, ps, kv=kv)
     assert lean_step(torch.tensor([1]), torch.tensor([5]), None) is None  # switched off: the model's forward
     assert m0["lean_steps"] == 0 and m1["lean_steps"] > 0 and switch.serve_steps >= m1["lean_steps"]
     assert m1["max_running"] == 5 and len(compared) >= m1["lean_steps"] and all(compared)  # logits bit for bit
     assert lean == forward == solo
+    assert any(direct) == (kv == "best-4")  # fp16 holds no quantized history: the views' path
 
 
 def test_fp16_engine_equals_transformers_generate(model):
