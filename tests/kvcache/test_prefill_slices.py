@@ -66,6 +66,33 @@ def test_sliced_prefill_walks_tiered_parts(slices, tmp_path):
     assert any(len(s) > 1 and max(s) <= 32 for s in slices)  # the blocks, read in place
 
 
+def test_small_parts_are_joined_up_to_a_slice_for_flash_attention(slices, tmp_path, monkeypatch):
+    """A tiered (or paged) history arrives as blocks; consecutive blocks are dequantized and
+    joined up to ``PREFILL_SLICE_TOKENS`` tokens, so flash attention runs once per slice,
+    not once per block (each call and its log-sum-exp merge cost as much as a block's
+    scores), and the result still equals the reference."""
+    keys_per_call = []
+    fp_attention = view._fp_attention
+
+    def recording(q, k, v, mask, scaling):
+        if mask is None:  # a history slice (the full-precision parts carry the causal mask)
+            keys_per_call.append(k.shape[2])
+        return fp_attention(q, k, v, mask, scaling)
+
+    monkeypatch.setattr(view, "_fp_attention", recording)
+    model = tiny("llama")
+    cfg = PRESETS["int4"].replace(window=16, block_size=16)
+    ids = torch.randint(3, 250, (1, sum(CHUNKS)), generator=torch.Generator().manual_seed(6))
+    ref = _run(model, KVCache(model.config, cfg, attention="reference"), ids)
+    with enable(model):
+        got = _run(model, TieredKVCache(model.config, cfg, tiers=f"host@64KiB,disk:{tmp_path}",
+                                        block_tokens=16, device_budget="48KiB"), ids)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    assert max(max(s) for s in slices) <= 16  # the blocks arrive one by one ...
+    assert keys_per_call and max(keys_per_call) == 64  # ... and are attended 64 at a time (the slice)
+    assert sum(keys_per_call) == sum(sum(s) for s in slices)  # every history token once
+
+
 def test_plain_causal_mask_is_recognised():
     Tq, L = 5, 12
     m = torch.ones(2, 1, Tq, L, dtype=torch.bool)

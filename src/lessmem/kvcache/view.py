@@ -287,8 +287,9 @@ class LayerView:
 
     def _attend_dequantized(self, qf, kf, vf, scaling):
         """A long chunk of queries (prefill): the work is the Tq × L scores, not reading the
-        history, so the history is dequantized a slice at a time (``PREFILL_SLICE_TOKENS``)
-        and each slice goes to flash attention with every query row (no mask: the whole
+        history, so the history is dequantized a slice at a time (``PREFILL_SLICE_TOKENS``;
+        consecutive small pieces, such as a paged cache's blocks, joined up to that many
+        tokens) and each slice goes to flash attention with every query row (no mask: the whole
         history precedes the chunk; the query heads sharing a KV head are stacked as rows, so
         the KV heads are never repeated). The full-precision parts (sinks, window, current
         chunk, causal within it) are one more call; the pieces merge by their log-sum-exp.
@@ -299,9 +300,21 @@ class LayerView:
         Hkv = self.history.n_kv_heads
         qg = qh.reshape(B, Hkv, Hq // Hkv * Tq, D)  # query heads of one KV head as rows
         out_h = lse_h = None
+        group, n = [], 0  # consecutive pieces (a paged cache's blocks) joined up to a slice's tokens
+
+        def flush(out_h, lse_h):
+            kf_h = group[0][0] if len(group) == 1 else torch.cat([k for k, _ in group], dim=2)
+            vf_h = group[0][1] if len(group) == 1 else torch.cat([v for _, v in group], dim=2)
+            o, l = _fp_attention(qg, kf_h, vf_h, None, scaling)  # as many heads
+            return (o, l) if out_h is None else _merge(out_h, lse_h, o, l)
+
         for ks, vs in self._history_slices():
-            o, l = _fp_attention(qg, ks.to_float(), vs.to_float(), None, scaling)  # as many heads
-            out_h, lse_h = (o, l) if out_h is None else _merge(out_h, lse_h, o, l)
+            if group and n + ks.n_tokens > PREFILL_SLICE_TOKENS:
+                out_h, lse_h = flush(out_h, lse_h)
+                group, n = [], 0
+            group.append((ks.to_float(), vs.to_float()))
+            n += ks.n_tokens
+        out_h, lse_h = flush(out_h, lse_h)
         out_h = out_h.reshape(B, Hq, Tq, D)
         if self.rot_v is not None:
             out_h = out_h @ _rot_matrix(self.rot_v, qf.device).T
