@@ -403,9 +403,13 @@ class LeanDecode:
         views = (not packed and not dynamic and type(cache) is kv_cache and cache._fused()
                  and all(type(layer) is kv_layer and layer.is_initialized and layer.quantized
                          for layer in cache.layers))
-        # a serving step: row b's request cache (one token a segment), for _rows_attend
+        # a serving step: row b's request cache (one token a segment), for _rows_attend; the fused
+        # attention (the model's switch, which a layer asks its cache about) checked once a step
         caches = ([s.cache for s in cache.segments] if packed and x.device.type == "cpu"
                   and len(getattr(cache, "segments", ())) == B else None)
+        if caches is not None and not all(getattr(c, "layers", None) and getattr(c.layers[0], "_fused", None)
+                                          and c.layers[0]._fused() for c in caches):
+            caches = None
         for L in self._layers:
             h = L.ln1(x)
             y = L.qkv(h) if L.qkv is not None else None  # q, k and v in one call
@@ -461,8 +465,9 @@ class LeanDecode:
         1, D]) against ``caches[b]``'s layer, every row in one ``attend_rows`` call over the
         same pieces those views hand it (sinks, window, the row's own token; the history as
         stored), then each token appended, as the views' path does: the same numbers, bit for
-        bit. None (nothing appended) where a layer is not a plain quantized one on the fused
-        path with a history, or the rows' rotations differ; the caller takes the views then."""
+        bit. None (nothing appended) where a layer is not a plain quantized one with a history,
+        or the rows' rotations differ (``caches`` is None off the fused path: ``step``); the
+        caller takes the views then."""
         if caches is None:
             return None
         layers = [c.layers[idx] for c in caches]
@@ -470,7 +475,7 @@ class LeanDecode:
         for layer in layers:
             if (type(layer) not in self._row_layers or not layer.is_initialized or not layer.quantized
                     or layer.rot_k is not first.rot_k or layer.rot_v is not first.rot_v
-                    or (layer.queries is not None and not layer.queries.full) or not layer._fused()):
+                    or (layer.queries is not None and not layer.queries.full)):
                 return None
             h = layer.read_history()
             if h is None:
