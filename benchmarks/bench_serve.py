@@ -287,7 +287,7 @@ class ServerTarget:
     kind = "lessmem serve (HTTP, openai client)"
 
     def __init__(self, kv: str, budget: int, offload: str | None, chunk: int, threads: int | None,
-                 log_dir: Path):
+                 log_dir: Path, step: int | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -296,6 +296,8 @@ class ServerTarget:
                     "--chunk-tokens", str(chunk), "--host", "127.0.0.1", "--port", str(self.port)]
         if offload:
             self.cmd += ["--offload", offload]
+        if step is not None:
+            self.cmd += ["--step-tokens", str(step)]
         env = dict(os.environ)
         import lessmem
 
@@ -395,10 +397,11 @@ class EngineTarget:
     kind = "lessmem Engine (in-process)"
 
     def __init__(self, model, tok, kv: str, budget: int, offload: str | None, chunk: int,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, step: int | None = None):
         from lessmem.serve import Engine, EngineConfig
 
-        cfg = EngineConfig(kv=kv, kv_budget=budget, offload=offload, chunk_tokens=chunk, prefix_cache=prefix_cache)
+        cfg = EngineConfig(kv=kv, kv_budget=budget, offload=offload, chunk_tokens=chunk, prefix_cache=prefix_cache,
+                           **({} if step is None else {"step_tokens": step}))
         cfg.check()
         self.engine = Engine(model, tok, cfg, model_name=MODEL)  # steps in drive(), on this thread
         self.startup_s = 0.0
@@ -542,11 +545,11 @@ def lessmem_row(target, wl: Workload, kv: str, offload_label: str | None, budget
 
 
 def alone_texts(model, tok, kv: str, budget: int, chunk: int, wls: list[Workload],
-                indices: list[int]) -> dict[str, dict[int, str]]:
+                indices: list[int], step: int | None = None) -> dict[str, dict[int, str]]:
     """For each workload, the text of each of ``indices`` run alone: one request at a time on
     an in-process Engine with the same KV preset, budget and chunking and no prefix cache
     (nothing shared or kept between them: each starts from an empty cache)."""
-    target = EngineTarget(model, tok, kv, budget, None, chunk, prefix_cache=False)
+    target = EngineTarget(model, tok, kv, budget, None, chunk, prefix_cache=False, step=step)
     try:
         return {wl.name: {i: target.drive(Workload(wl.name, [wl.prompts[i]], [0.0], wl.new_tokens))[0]["text"]
                           for i in indices} for wl in wls}
@@ -713,6 +716,8 @@ def _check_args(args) -> None:
     bad = [k for k in args.kv + args.offload_kv + args.shared_kv if k not in KV_CHOICES]
     if bad:
         raise SystemExit(f"--kv {','.join(bad)}: unknown; allowed: {', '.join(KV_CHOICES)}")
+    if args.step_tokens is not None and args.step_tokens < args.chunk_tokens:
+        raise SystemExit(f"--step-tokens = {args.step_tokens}: must be >= --chunk-tokens = {args.chunk_tokens}")
     if args.alone > args.requests:
         raise SystemExit(f"--alone = {args.alone}: at most --requests = {args.requests}")
 
@@ -728,6 +733,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help=f"the engine's prefill chunk = prefix-sharing granularity (default {FULL['chunk_tokens']}; "
                         f"quick {QUICK['chunk_tokens']})")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="the engine's most tokens a step (decode tokens and prompt chunks; default: the "
+                        "engine's own, EngineConfig.step_tokens)")
     p.add_argument("--fit", type=int, default=4, help="requests of P+G tokens fp16 KV holds in the budget (4)")
     p.add_argument("--kv", default=None, help=f"presets, comma-separated (default {FULL['kv']})")
     p.add_argument("--offload", default=None,
@@ -765,6 +773,7 @@ def main(argv=None) -> int:
     import torch
 
     import lessmem
+    from lessmem.serve import EngineConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -785,7 +794,8 @@ def main(argv=None) -> int:
                platform=platform.platform(), mem_total_gib=mem_gib, quick=args.quick,
                requests=n, prompt_tokens=P, new_tokens=G, rate_per_s=args.rate, seed=args.seed,
                server_threads=args.threads if args.server_threads is None else (args.server_threads or "default"),
-               shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens, fit_fp16_requests=args.fit,
+               shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens, step_tokens=args.step_tokens or EngineConfig.step_tokens,
+               fit_fp16_requests=args.fit,
                fp16_kv_bytes_per_token=bpt, kv_budget_bytes=budget,
                driver="in-process Engine" if args.inprocess else "HTTP (openai AsyncOpenAI, streaming)",
                scaled_from=None if args.quick else
@@ -828,14 +838,15 @@ def main(argv=None) -> int:
             for off in ["none", *(args.offload if kv in args.offload_kv else [])]:
                 spec = _offload_spec(off, tmp, i_spec)
                 i_spec += 1
-                target = (EngineTarget(model, tok, kv, budget, spec, args.chunk_tokens) if args.inprocess
-                          else ServerTarget(kv, budget, spec, args.chunk_tokens, server_threads, tmp))
+                target = (EngineTarget(model, tok, kv, budget, spec, args.chunk_tokens, step=args.step_tokens)
+                          if args.inprocess else
+                          ServerTarget(kv, budget, spec, args.chunk_tokens, server_threads, tmp, step=args.step_tokens))
                 try:
                     if alone is None:  # untimed: while the first server of this preset starts
                         t = time.perf_counter()
                         alone = alone_texts(model, tok, kv, budget, args.chunk_tokens,
                                             [w for w in wls if w.name == "distinct" or kv in args.shared_kv],
-                                            alone_idx)
+                                            alone_idx, step=args.step_tokens)
                         phases[f"alone {kv}"] = time.perf_counter() - t
                     t = time.perf_counter()
                     target.ready()

@@ -378,6 +378,9 @@ ROWS = [
     ((*S, "--chunk-tokens", "0"), "--chunk-tokens"),
     ((*S, "--chunk-tokens", "100"), "--chunk-tokens"),  # not a multiple of best-4's block size
     ((*S, "--chunk-tokens", "1.5"), "--chunk-tokens"),
+    ((*S, "--step-tokens", "0"), "--step-tokens"),
+    ((*S, "--step-tokens", "128"), "--step-tokens"),  # below --chunk-tokens (256)
+    ((*S, "--step-tokens", "x"), "--step-tokens"),
     ((*S, "--preempt", "sometimes"), "--preempt"),
     ((*S, "--preempt", "swap"), "--preempt"),  # nothing to swap to without --offload
     ((*S, "--no-prefix-cache=1"), "--no-prefix-cache"),

@@ -25,7 +25,7 @@ PREEMPT = ("auto", "swap", "recompute")
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval while serving (run())
 # EngineConfig field -> the option that sets it (its check errors name the field)
 FIELD_OPTIONS = {"kv_budget": "--kv-budget", "offload": "--offload", "max_running": "--max-running",
-                 "chunk_tokens": "--chunk-tokens", "preempt": "--preempt", "prefix_cache": "--no-prefix-cache",
+                 "chunk_tokens": "--chunk-tokens", "step_tokens": "--step-tokens", "preempt": "--preempt", "prefix_cache": "--no-prefix-cache",
                  "kv": "--kv"}
 
 
@@ -48,6 +48,10 @@ def add_arguments(p) -> None:
                    help="most requests in the running batch at once (default 64)")
     p.add_argument("--chunk-tokens", type=T.integer(1, 2**16), default=256, metavar="N",
                    help="prompt tokens prefilled per request per step, interleaved with decoding (default 256)")
+    p.add_argument("--step-tokens", type=T.integer(1, 2**20), default=None, metavar="N",
+                   help="most tokens one step computes, decode tokens and prompt chunks together: more "
+                        "prefills faster and stalls decoding longer (at least --chunk-tokens; default "
+                        f"{_default_step_tokens()})")
     p.add_argument("--preempt", type=T.choice(PREEMPT), default="auto", metavar="|".join(PREEMPT),
                    help="when the budget is short: swap a request's blocks down the tiers (needs --offload), "
                         "recompute it later, or auto (swap when there is a tier; default)")
@@ -80,6 +84,12 @@ def _host(text: str) -> str:
     return text
 
 
+def _default_step_tokens() -> int:
+    from lessmem.serve.config import EngineConfig
+
+    return EngineConfig.step_tokens
+
+
 def engine_config(args):
     """The checked ``EngineConfig`` of the command line; a failed check names the option."""
     from lessmem.serve import EngineConfig
@@ -87,6 +97,7 @@ def engine_config(args):
     try:
         cfg = EngineConfig(kv=args.kv, kv_budget=args.kv_budget, offload=args.offload,
                            max_running=args.max_running, chunk_tokens=args.chunk_tokens,
+                           **({} if args.step_tokens is None else {"step_tokens": args.step_tokens}),
                            preempt=args.preempt, prefix_cache=not args.no_prefix_cache)
         cfg.check()
     except (ValueError, TypeError) as exc:
