@@ -248,7 +248,17 @@ class PagedKVLayer(QuantizedKVLayer):
         return [t for t in parts if t is not None]
 
     def fp_bytes(self) -> int:
-        return sum(tensor_bytes(t) for t in self.fp_tensors())
+        """``fp_tensors``' bytes, counted without building the list (the engine asks every
+        layer of every request a few times a step)."""
+        if not self.is_initialized:
+            return 0
+        if not self.quantized:
+            return tensor_bytes(self.keys) + tensor_bytes(self.values)
+        n = 0
+        for pair in (self.sinks, self.window):
+            if pair:
+                n += tensor_bytes(pair[0]) + tensor_bytes(pair[1])
+        return n
 
     def memory(self) -> dict[str, int]:
         m = super().memory()

@@ -1,0 +1,35 @@
+"""A paged request cache's byte count: what the engine budgets with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lessmem.models import tiny_random
+from lessmem.serve.paged import PagedKVCache, PagePool
+
+
+@pytest.mark.parametrize("kv", ["best-4", "fp16", "int4"])
+def test_fp_bytes_count_every_full_precision_tensor_held(kv):
+    """``fp_bytes`` (counted without listing the tensors) equals the bytes of ``fp_tensors``
+    for layers before any token, inside the sinks, the window and after blocks have moved
+    to pages; the cache's total is the layers' sum."""
+    model = tiny_random("llama")
+    cache = PagedKVCache(model.config, kv, PagePool())
+    cfg, g = model.config, torch.Generator().manual_seed(0)
+    heads = cfg.num_key_value_heads
+    dim = cfg.hidden_size // cfg.num_attention_heads
+
+    def check():
+        for layer in cache.paged_layers():
+            assert layer.fp_bytes() == sum(t.numel() * t.element_size() for t in layer.fp_tensors())
+        assert cache.fp_bytes() == sum(layer.fp_bytes() for layer in cache.paged_layers())
+
+    check()  # nothing held yet
+    for n in (2, 1, 150, 1, 1, 70):  # sinks, a window, blocks moved to pages
+        for i in range(cfg.num_hidden_layers - 1):  # the last layer stays empty
+            k = torch.randn(1, heads, n, dim, generator=g)
+            cache.update(k, k.clone(), i)
+        check()
+    assert cache.fp_bytes() > 0
+    assert cache.paged_layers()[-1].fp_bytes() == 0
