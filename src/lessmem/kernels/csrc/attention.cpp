@@ -832,6 +832,18 @@ struct Job {
   float* oh = nullptr; float* of = nullptr; float* lse = nullptr;
 };
 
+// run_items' per-item buffers, one set per thread (see there)
+struct Scratch {
+  std::vector<float> sc, w, va, vz, ka, kza, qsum, mla, qs, kbuf, vbuf, kz, kbuf_s, wall;
+  std::vector<const float*> qrow, qsrow;
+  std::vector<int64_t> rtq;
+};
+
+inline Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
 template <int DC>
 void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hkv) {
   const int64_t D = DC > 0 ? DC : Drt;
@@ -882,9 +894,19 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     const bool fast = false;
 #endif
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
-    std::vector<float> sc(rows * TILE), w(TILE), va(TILE), vz(TILE), ka(TILE), kza(TILE), qsum(rows);
+    // the item's buffers: the thread's own, reused from item to item and call to call (an
+    // item allocating and zeroing its ~20 vectors, two of TILE·D floats, cost as much as a
+    // short history's scores); filled as a new vector would be, but the key/value tiles,
+    // which every tile writes before it reads them
+    Scratch& S = scratch();
+    auto zeroed = [](std::vector<float>& v, int64_t n) -> std::vector<float>& { v.assign(n, 0.f); return v; };
+    std::vector<float>& sc = zeroed(S.sc, rows * TILE); std::vector<float>& w = zeroed(S.w, TILE);
+    std::vector<float>& va = zeroed(S.va, TILE); std::vector<float>& vz = zeroed(S.vz, TILE);
+    std::vector<float>& ka = zeroed(S.ka, TILE); std::vector<float>& kza = zeroed(S.kza, TILE);
+    std::vector<float>& qsum = zeroed(S.qsum, rows);
     const float* qbase = fp ? F.q : J.q;
-    std::vector<const float*> qrow(rows); std::vector<int64_t> rtq(rows);
+    std::vector<const float*>& qrow = S.qrow; qrow.assign(rows, nullptr);
+    std::vector<int64_t>& rtq = S.rtq; rtq.assign(rows, 0);
     for (int64_t r = 0; r < rows; ++r) {
       rtq[r] = r % Tq;
       qrow[r] = qbase + ((b * Hq + h * nrep + r / Tq) * Tq + rtq[r]) * D;
@@ -897,10 +919,14 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     // running max / sum / accumulator in this item's own memory (the partial buffers of
     // neighbouring items share cache lines: writing them per tile made threads fight);
     // zs: the folded values' zero-point sums; qs, kz: the folded query rows and offsets
-    std::vector<float> mla(rows * (D + 3)), kbuf(TILE * D), vbuf(TILE * D), qs(kf ? rows * D : 0);
+    std::vector<float>& mla = zeroed(S.mla, rows * (D + 3));
+    std::vector<float>& qs = zeroed(S.qs, kf ? rows * D : 0);
+    std::vector<float>& kbuf = S.kbuf; if ((int64_t)kbuf.size() < TILE * D) kbuf.resize(TILE * D);
+    std::vector<float>& vbuf = S.vbuf; if ((int64_t)vbuf.size() < TILE * D) vbuf.resize(TILE * D);
     float* m = mla.data(); float* l = m + rows; float* zs = l + rows; float* acc = zs + rows;
-    std::vector<float> kz(rows), kbuf_s(kf ? 2 * D : 0), wall(fast ? rows * TILE : 0);
-    std::vector<const float*> qsrow(fast ? rows : 0);
+    std::vector<float>& kz = zeroed(S.kz, rows); std::vector<float>& kbuf_s = zeroed(S.kbuf_s, kf ? 2 * D : 0);
+    std::vector<float>& wall = zeroed(S.wall, fast ? rows * TILE : 0);
+    std::vector<const float*>& qsrow = S.qsrow; qsrow.assign(fast ? rows : 0, nullptr);
     for (int64_t r = 0; r < (int64_t)qsrow.size(); ++r) qsrow[r] = kf ? qs.data() + r * D : qrow[r];
     std::fill(m, m + rows, NEG_INF);
     int64_t kgroup = -1;
