@@ -323,3 +323,15 @@ def test_redis_gone_degrades_to_recompute_with_one_warning(model, dead_redis_url
     assert out == run(model, ps)[0]
     assert m["requests_finished"] == 2
     assert sum("prefix cache" in str(w.message) for w in caught) <= 1
+
+
+def test_serve_options_reach_the_engine_config():
+    """``lessmem serve --step-tokens`` (and the chunk) land in the EngineConfig; left out, the
+    engine's own default."""
+    from lessmem.cli import build_parser
+    from lessmem.serve.cli import engine_config
+
+    p = build_parser("serve")
+    cfg = engine_config(p.parse_args(["serve", "--chunk-tokens", "128", "--step-tokens", "1024"]))
+    assert (cfg.chunk_tokens, cfg.step_tokens) == (128, 1024)
+    assert engine_config(p.parse_args(["serve"])).step_tokens == EngineConfig().step_tokens
