@@ -288,9 +288,6 @@ class LeanDecode:
         from .kvcache.layer import QuantizedKVLayer
 
         self._kv_types = (KVCache, QuantizedKVLayer)  # for step's direct path (not imported per step)
-        from .serve.paged import PagedKVLayer
-
-        self._row_layers = (QuantizedKVLayer, PagedKVLayer)  # a serving step's direct path (_rows_attend)
         fields = CausalLMOutputWithPast.__dataclass_fields__
         self._out_cls = CausalLMOutputWithPast
         self._cache_field = "cache" if "cache" in fields else "past_key_values"
@@ -465,15 +462,16 @@ class LeanDecode:
         1, D]) against ``caches[b]``'s layer, every row in one ``attend_rows`` call over the
         same pieces those views hand it (sinks, window, the row's own token; the history as
         stored), then each token appended, as the views' path does: the same numbers, bit for
-        bit. None (nothing appended) where a layer is not a plain quantized one with a history,
+        bit. None (nothing appended) where a layer is not a quantized one that allows it
+        (``QuantizedKVLayer.direct_rows``: a serving engine's paged layers do) with a history,
         or the rows' rotations differ (``caches`` is None off the fused path: ``step``); the
         caller takes the views then."""
         if caches is None:
             return None
         layers = [c.layers[idx] for c in caches]
-        first, hists = layers[0], []
+        first, hists, kv_layer = layers[0], [], self._kv_types[1]
         for layer in layers:
-            if (type(layer) not in self._row_layers or not layer.is_initialized or not layer.quantized
+            if (not isinstance(layer, kv_layer) or not layer.direct_rows or not layer.is_initialized or not layer.quantized
                     or layer.rot_k is not first.rot_k or layer.rot_v is not first.rot_v
                     or (layer.queries is not None and not layer.queries.full)):
                 return None

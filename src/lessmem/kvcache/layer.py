@@ -98,6 +98,10 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     segment_tokens: int | None = SEGMENT_TOKENS  # None: the history is one piece
+    # A one-token update is exactly append_view (sinks, read_history(), window, the token)
+    # and the view's attention then _append: a serving step may do those parts itself for
+    # many rows at once (decode.LeanDecode._rows_attend). False where a subclass does more.
+    direct_rows = True
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations=(None, None),
                  fused: Callable[[], bool] = lambda: False):
@@ -480,6 +484,8 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
     be cropped. Built by :class:`~lessmem.kvcache.KVCache` for sliding layers with
     ``KVConfig(sliding="quantize")``.
     """
+
+    direct_rows = False  # (each append also drops what slid out of the window)
 
     is_sliding = True
     segment_tokens = None  # (the history is bounded: one piece)

@@ -42,6 +42,8 @@ class TierContext:
 class TieredKVLayer(QuantizedKVLayer):
     """A quantized layer whose history lives in its cache's tiers; see the module doc."""
 
+    direct_rows = False  # (its update also tells the tier account of the forward's tokens)
+
     def __init__(self, config: KVConfig, layer_idx: int, rotations, fused, tiers: TierContext):
         self.tiers = tiers
         super().__init__(config, layer_idx, rotations, fused)
