@@ -649,20 +649,6 @@ static void fused_q8_impl(const float* x, const uint8_t* w, float* y, int64_t M,
   parallel_chunks(N, 16, N * K * M, [&](int64_t n0, int64_t n1) { fused_q8_rows<T>(X, w, y, N, M, K, n0, n1); });
 }
 
-template <int T>
-static void dequant_impl(const uint8_t* w, float* out, int64_t N, int64_t K) {
-  constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
-  const int64_t nb = K / QK;
-  parallel_chunks(N * nb, 256, N * K, [&](int64_t i0, int64_t i1) {
-    alignas(64) uint8_t q[QK];
-    float a[NG], c[NG];
-    for (int64_t i = i0; i < i1; ++i) {
-      decode<T>(w + i * TS, q, a, c);
-      for (int g = 0; g < NG; ++g) vstore(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
-    }
-  });
-}
-
 // 16 float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) does on
 // the CPU (a NaN becomes 0xffff, as there)
 static inline void store_bf16(uint16_t* out, V16 a) {
@@ -684,9 +670,12 @@ static inline void store_bf16(uint16_t* out, V16 a) {
 #endif
 }
 
-template <int T>
-static void dequant_bf16_impl(const uint8_t* w, uint16_t* out, int64_t N, int64_t K) {
-  // as dequant_impl, each weight written as bfloat16 (one pass, half the bytes of float32 + a cast)
+static inline void store16(float* out, V16 a) { vstore(out, a); }
+static inline void store16(uint16_t* out, V16 a) { store_bf16(out, a); }
+
+// every weight of N rows, written as float32 or (uint16_t out) bfloat16 bits in one pass
+template <int T, typename O>
+static void dequant_impl(const uint8_t* w, O* out, int64_t N, int64_t K) {
   constexpr int QK = Traits<T>::QK, TS = Traits<T>::TS, NG = QK / 16;
   const int64_t nb = K / QK;
   parallel_chunks(N * nb, 256, N * K, [&](int64_t i0, int64_t i1) {
@@ -694,7 +683,7 @@ static void dequant_bf16_impl(const uint8_t* w, uint16_t* out, int64_t N, int64_
     float a[NG], c[NG];
     for (int64_t i = i0; i < i1; ++i) {
       decode<T>(w + i * TS, q, a, c);
-      for (int g = 0; g < NG; ++g) store_bf16(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
+      for (int g = 0; g < NG; ++g) store16(out + i * QK + 16 * g, weights16<T>(q, a, c, g));
     }
   });
 }
@@ -756,7 +745,7 @@ torch::Tensor gguf_dequantize_bf16(torch::Tensor w, int64_t type, int64_t N, int
   // w uint8 raw GGUF rows -> bfloat16 [N, K], bit-identical to gguf_dequantize(...).to(bfloat16)
   w = w.contiguous();
   auto out = torch::empty({N, K}, torch::dtype(torch::kBFloat16));
-  DISPATCH(dequant_bf16_impl, w.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N, K)
+  DISPATCH(dequant_impl, w.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N, K)
   return out;
 }
 
