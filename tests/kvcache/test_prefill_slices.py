@@ -68,9 +68,8 @@ def test_sliced_prefill_walks_tiered_parts(slices, tmp_path):
 
 def test_small_parts_are_joined_up_to_a_slice_for_flash_attention(slices, tmp_path, monkeypatch):
     """A tiered (or paged) history arrives as blocks; consecutive blocks are dequantized and
-    joined up to ``PREFILL_SLICE_TOKENS`` tokens, so flash attention runs once per slice,
-    not once per block (each call and its log-sum-exp merge cost as much as a block's
-    scores), and the result still equals the reference."""
+    joined up to ``PREFILL_SLICE_TOKENS`` tokens, so flash attention and the log-sum-exp
+    merge run once per slice, not once per block, and the result still equals the reference."""
     keys_per_call = []
     fp_attention = view._fp_attention
 
