@@ -131,7 +131,8 @@ CASES["strided-int4-values"] = (_buf[:, 1:3, 16:80], resolve("int4").values, Non
 
 @contextlib.contextmanager
 def _cuda_division():
-    """``tensor / number`` as torch computes it on CUDA: ``tensor · fp32(1 / number)``."""
+    """``tensor / number`` as torch computes it on CUDA: ``tensor · fp32(1 / number)``; the
+    codec's torch ops then run as on CUDA (its C++ loop, a CPU path, is switched off)."""
     div = torch.Tensor.__truediv__
 
     def recip(self, other):
@@ -140,10 +141,12 @@ def _cuda_division():
         return div(self, other)
 
     torch.Tensor.__truediv__ = recip
+    codec.AFFINE_CPP = False
     try:
         yield
     finally:
         torch.Tensor.__truediv__ = div
+        codec.AFFINE_CPP = True
 
 
 def _division_case(seed, spec, B, H, T, D):

@@ -63,8 +63,26 @@ class Encoded:
 
 # ---- per-format quantizers: grouped view [G, E] -> (codes uint8 [G, E], scale [G], zp or None)
 def _affine(xg, spec: KVTensorConfig, lay: KVLayout):
+    m = _affine_cpp() if xg.device.type == "cpu" and lay.SCALE_DTYPE is torch.float16 else None
+    if m is not None:  # the same float32 operations, row by row in one C++ loop (bit for bit: tested)
+        u, scale, zp = m.affine_codes(xg.float().contiguous(), int(spec.bits), not lay.has_zero_point,
+                                      float(spec.clip_ratio))
+        return u, scale, (zp if lay.has_zero_point else None)
     scale, zp = choose_qparams(xg, spec.bits, not lay.has_zero_point, spec.clip_ratio, lay.SCALE_DTYPE)
     return quantize_grouped(xg, scale, zp, spec.bits), scale, zp
+
+
+def _affine_cpp():
+    """``kernels/csrc/kv_encode.cpp``'s ``affine_codes``, or None without a compiler (or with
+    ``AFFINE_CPP`` off: the torch twin it is tested against)."""
+    if not AFFINE_CPP:
+        return None
+    from ..kernels._build import load_cpp_file
+
+    return load_cpp_file("lessmem_kv_encode", "kv_encode.cpp", ["affine_codes"], ["-ffp-contract=off"])
+
+
+AFFINE_CPP = True  # CPU chunks of the affine formats through the C++ loop
 
 
 def _affine_channels(xg, spec: KVTensorConfig, lay: KVLayout):
