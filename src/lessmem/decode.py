@@ -462,27 +462,24 @@ class LeanDecode:
         1, D]) against ``caches[b]``'s layer, every row in one ``attend_rows`` call over the
         same pieces those views hand it (sinks, window, the row's own token; the history as
         stored), then each token appended, as the views' path does: the same numbers, bit for
-        bit. None (nothing appended) where a layer is not a quantized one that allows it
-        (``QuantizedKVLayer.direct_rows``: a serving engine's paged layers do) with a history,
+        bit. None (nothing appended) where a layer is not a quantized one whose update is just
+        that (``QuantizedKVLayer.row_parts``: a serving engine's paged layers) with a history,
         or the rows' rotations differ (``caches`` is None off the fused path: ``step``); the
         caller takes the views then."""
         if caches is None:
             return None
         layers = [c.layers[idx] for c in caches]
-        first, hists, kv_layer = layers[0], [], self._kv_types[1]
-        for layer in layers:
-            if (not isinstance(layer, kv_layer) or not layer.direct_rows or not layer.is_initialized or not layer.quantized
-                    or layer.rot_k is not first.rot_k or layer.rot_v is not first.rot_v
-                    or (layer.queries is not None and not layer.queries.full)):
-                return None
-            h = layer.read_history()
-            if h is None:
-                return None
-            hists.append(h)
+        first, kv_layer = layers[0], self._kv_types[1]
         B, Hq, _, D = q.shape
         ks, vs = k.split(1), v.split(1)
-        pieces = [[p for p in (layer.sinks, layer.window) if p[0].shape[2]] + [(kb, vb)]
-                  for layer, kb, vb in zip(layers, ks, vs, strict=True)]
+        hists, pieces = [], []
+        for layer, kb, vb in zip(layers, ks, vs, strict=True):
+            parts = (layer.row_parts(kb, vb) if isinstance(layer, kv_layer) and layer.is_initialized
+                     and layer.quantized and layer.rot_k is first.rot_k and layer.rot_v is first.rot_v else None)
+            if parts is None:
+                return None
+            hists.append(parts[0])
+            pieces.append(parts[1])
         out = attend_rows(first, q.reshape(B, Hq, D), scale, hists, pieces)
         if out is None:
             return None

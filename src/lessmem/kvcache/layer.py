@@ -98,10 +98,6 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     segment_tokens: int | None = SEGMENT_TOKENS  # None: the history is one piece
-    # A one-token update is exactly append_view (sinks, read_history(), window, the token)
-    # and the view's attention then _append: a serving step may do those parts itself for
-    # many rows at once (decode.LeanDecode._rows_attend). False where a subclass does more.
-    direct_rows = True
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations=(None, None),
                  fused: Callable[[], bool] = lambda: False):
@@ -184,18 +180,30 @@ class QuantizedKVLayer(CacheLayerMixin):
         (sinks, history, window, the token) go to the same one-call kernel, so the output is
         the same bit for bit. The lean decode step calls this in every layer (the view and
         its checks had cost ~16 µs of a layer's ~530)."""
-        hist = self.read_history()
-        if (hist is not None and q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1
-                and (self.queries is None or self.queries.full)):
-            pieces = [p for p in (self.sinks, self.window) if p[0].shape[2]]
-            pieces.append((key_states, value_states))
+        parts = self.row_parts(key_states, value_states)
+        if parts is not None and q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1:
             Hq, D = q.shape[1], q.shape[3]
-            out = attend_rows(self, q.reshape(1, Hq, D), scaling, [hist], [pieces])
+            out = attend_rows(self, q.reshape(1, Hq, D), scaling, [parts[0]], [parts[1]])
             if out is not None:
                 self._append(key_states, value_states)
                 out = out.view(1, Hq, 1, D)
                 return out if q.dtype == torch.float32 else out.to(q.dtype)
         return self.append_view(key_states, value_states).attend(q, None, scaling)
+
+    def row_parts(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """(history, full-precision pieces) that one decode row's token ``key_states`` /
+        ``value_states`` is attended over (the pieces: sinks, window, the token), as the view
+        of ``append_view`` hands them to the one-call kernel; the caller attends, then
+        ``_append``s (``decode_row``; a serving step's rows, ``decode.LeanDecode``). None where
+        that is not the whole of an update: no history yet, the queries still being gathered
+        (key rounding), or a subclass whose update does more (a sliding layer drops what slid
+        out, a tiered one accounts for the forward)."""
+        hist = self.read_history()
+        if hist is None or (self.queries is not None and not self.queries.full):
+            return None
+        pieces = [p for p in (self.sinks, self.window) if p[0].shape[2]]
+        pieces.append((key_states, value_states))
+        return hist, pieces
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -485,7 +493,6 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
     ``KVConfig(sliding="quantize")``.
     """
 
-    direct_rows = False  # (each append also drops what slid out of the window)
 
     is_sliding = True
     segment_tokens = None  # (the history is bounded: one piece)
@@ -524,9 +531,8 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
         self._drop_slid_out()
         return view
 
-    def decode_row(self, q: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                   scaling: float) -> torch.Tensor:
-        return self.append_view(key_states, value_states).attend(q, None, scaling)  # (drops what slid out)
+    def row_parts(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        return None  # (each update also drops what slid out: through append_view)
 
     def _drop_slid_out(self) -> None:
         B = self.config.block_size

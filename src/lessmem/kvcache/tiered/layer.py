@@ -42,7 +42,6 @@ class TierContext:
 class TieredKVLayer(QuantizedKVLayer):
     """A quantized layer whose history lives in its cache's tiers; see the module doc."""
 
-    direct_rows = False  # (its update also tells the tier account of the forward's tokens)
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations, fused, tiers: TierContext):
         self.tiers = tiers
@@ -122,6 +121,9 @@ class TieredKVLayer(QuantizedKVLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         self.tiers.account.forward_tokens = key_states.shape[2]
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def row_parts(self, key_states, value_states):
+        return None  # (each update also tells the tier account of the forward's tokens: through update)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         hidden = self.hidden_blocks() * self.tiers.block_tokens
