@@ -794,8 +794,8 @@ def main(argv=None) -> int:
                platform=platform.platform(), mem_total_gib=mem_gib, quick=args.quick,
                requests=n, prompt_tokens=P, new_tokens=G, rate_per_s=args.rate, seed=args.seed,
                server_threads=args.threads if args.server_threads is None else (args.server_threads or "default"),
-               shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens, step_tokens=args.step_tokens or EngineConfig.step_tokens,
-               fit_fp16_requests=args.fit,
+               shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens,
+               step_tokens=args.step_tokens or EngineConfig.step_tokens, fit_fp16_requests=args.fit,
                fp16_kv_bytes_per_token=bpt, kv_budget_bytes=budget,
                driver="in-process Engine" if args.inprocess else "HTTP (openai AsyncOpenAI, streaming)",
                scaled_from=None if args.quick else

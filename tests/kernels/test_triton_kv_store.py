@@ -141,12 +141,12 @@ def _cuda_division():
         return div(self, other)
 
     torch.Tensor.__truediv__ = recip
-    codec.AFFINE_CPP = False
+    cpp, codec._affine_cpp = codec._affine_cpp, lambda: None
     try:
         yield
     finally:
         torch.Tensor.__truediv__ = div
-        codec.AFFINE_CPP = True
+        codec._affine_cpp = cpp
 
 
 def _division_case(seed, spec, B, H, T, D):

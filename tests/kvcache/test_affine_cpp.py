@@ -28,25 +28,35 @@ def _rows(E: int, g: torch.Generator) -> torch.Tensor:
     return torch.cat([base, edge])
 
 
-def _both(xg, spec, lay):
-    codec.AFFINE_CPP = False
-    try:
+@pytest.fixture
+def torch_twin(monkeypatch):
+    """A context in which the codec takes its torch path (no C++ module)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def twin():
+        with monkeypatch.context() as m:
+            m.setattr(codec, "_affine_cpp", lambda: None)
+            yield
+    return twin
+
+
+def _both(xg, spec, lay, twin):
+    with twin():
         ref = codec._affine(xg, spec, lay)
-    finally:
-        codec.AFFINE_CPP = True
     return codec._affine(xg, spec, lay), ref
 
 
 @pytest.mark.parametrize("fmt", ["uint", "int"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("clip", [1.0, 0.9])
-def test_affine_codes_equal_the_torch_twin_bit_for_bit(fmt, bits, clip):
+def test_affine_codes_equal_the_torch_twin_bit_for_bit(fmt, bits, clip, torch_twin):
     g = torch.Generator().manual_seed(bits * 10 + (fmt == "int"))
     for E in (64, 32, 7):
         spec = KVTensorConfig(fmt, bits, clip_ratio=clip)
         lay = codec.kv_layout(spec, 64)
         xg = _rows(E, g)
-        (u, s, z), (u0, s0, z0) = _both(xg, spec, lay)
+        (u, s, z), (u0, s0, z0) = _both(xg, spec, lay, torch_twin)
         assert u.dtype == u0.dtype == torch.uint8 and torch.equal(u, u0)
         assert s.dtype == s0.dtype == torch.float16 and torch.equal(s.view(torch.int16), s0.view(torch.int16))
         assert (z is None) == (z0 is None) == (fmt == "int")
@@ -55,17 +65,14 @@ def test_affine_codes_equal_the_torch_twin_bit_for_bit(fmt, bits, clip):
 
 
 @pytest.mark.parametrize("preset", ["best-4", "int4", "int8", "kivi-2"])
-def test_encoded_chunks_equal_the_torch_twin(preset):
+def test_encoded_chunks_equal_the_torch_twin(preset, torch_twin):
     """Whole chunks through ``encode_chunk`` (the cache's path), keys and values."""
     cfg = resolve(preset)
     x = torch.randn(2, 3, 128, 64, generator=torch.Generator().manual_seed(1)) * 3
     for spec in (cfg.keys, cfg.values):
         got = encode_chunk(x, spec)
-        codec.AFFINE_CPP = False
-        try:
+        with torch_twin():
             ref = encode_chunk(x, spec)
-        finally:
-            codec.AFFINE_CPP = True
         for a, b in ((got.codes, ref.codes), (got.scale, ref.scale), (got.zero_point, ref.zero_point)):
             assert (a is None) == (b is None)
             if a is not None:

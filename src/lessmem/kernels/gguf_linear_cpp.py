@@ -62,8 +62,8 @@ _SOURCE_FILE = "gguf_linear.cpp"
 # ``GGUF_TYPES`` and the non-linear 4-bit IQ4_NL / IQ4_XS (``formats.gguf_iquants``).
 KERNEL_TYPES = (*GGUF_TYPES, "iq4_nl", "iq4_xs")
 
-_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "gguf_dequantize_bf16", "register_ops", "gguf_linear_multi",
-          "rms_norm_rows", "rms_sum_width", "rope_rows", "qkv_rope_rows", "silu_mul_rows"]
+_FUNCS = ["gguf_linear", "gguf_linear_q8", "gguf_dequantize", "gguf_dequantize_bf16", "register_ops",
+          "gguf_linear_multi", "rms_norm_rows", "rms_sum_width", "rope_rows", "qkv_rope_rows", "silu_mul_rows"]
 _FLAGS = ["-ffp-contract=off"]  # decoders must not fuse d*q + m into one rounding
 
 

@@ -63,7 +63,7 @@ class Encoded:
 
 # ---- per-format quantizers: grouped view [G, E] -> (codes uint8 [G, E], scale [G], zp or None)
 def _affine(xg, spec: KVTensorConfig, lay: KVLayout):
-    m = _affine_cpp() if xg.device.type == "cpu" and lay.SCALE_DTYPE is torch.float16 else None
+    m = _affine_cpp() if xg.device.type == "cpu" else None
     if m is not None:  # the same float32 operations, row by row in one C++ loop (bit for bit: tested)
         u, scale, zp = m.affine_codes(xg.float().contiguous(), int(spec.bits), not lay.has_zero_point,
                                       float(spec.clip_ratio))
@@ -73,16 +73,11 @@ def _affine(xg, spec: KVTensorConfig, lay: KVLayout):
 
 
 def _affine_cpp():
-    """``kernels/csrc/kv_encode.cpp``'s ``affine_codes``, or None without a compiler (or with
-    ``AFFINE_CPP`` off: the torch twin it is tested against)."""
-    if not AFFINE_CPP:
-        return None
+    """``kernels/csrc/kv_encode.cpp``'s ``affine_codes`` (its scales float16, as
+    ``KVLayout.SCALE_DTYPE``), or None without a compiler: the torch twin then runs."""
     from ..kernels._build import load_cpp_file
 
     return load_cpp_file("lessmem_kv_encode", "kv_encode.cpp", ["affine_codes"], ["-ffp-contract=off"])
-
-
-AFFINE_CPP = True  # CPU chunks of the affine formats through the C++ loop
 
 
 def _affine_channels(xg, spec: KVTensorConfig, lay: KVLayout):

@@ -25,8 +25,8 @@ PREEMPT = ("auto", "swap", "recompute")
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval while serving (run())
 # EngineConfig field -> the option that sets it (its check errors name the field)
 FIELD_OPTIONS = {"kv_budget": "--kv-budget", "offload": "--offload", "max_running": "--max-running",
-                 "chunk_tokens": "--chunk-tokens", "step_tokens": "--step-tokens", "preempt": "--preempt", "prefix_cache": "--no-prefix-cache",
-                 "kv": "--kv"}
+                 "chunk_tokens": "--chunk-tokens", "step_tokens": "--step-tokens", "preempt": "--preempt",
+                 "prefix_cache": "--no-prefix-cache", "kv": "--kv"}
 
 
 def add_arguments(p) -> None:
