@@ -894,10 +894,9 @@ void run_items(const std::vector<Job>& jobs, int64_t Drt, int64_t Hq, int64_t Hk
     const bool fast = false;
 #endif
     RowDecoder kd(K, (int)D, bh), vd(V, (int)D, bh);
-    // the item's buffers: the thread's own, reused from item to item and call to call (an
-    // item allocating and zeroing its ~20 vectors, two of TILE·D floats, cost as much as a
-    // short history's scores); filled as a new vector would be, but the key/value tiles,
-    // which every tile writes before it reads them
+    // the item's buffers: the thread's own, reused from item to item and call to call instead
+    // of ~20 vectors allocated and zeroed per item; filled as a new vector would be, but the
+    // key/value tiles, which every tile writes before it reads them
     Scratch& S = scratch();
     auto zeroed = [](std::vector<float>& v, int64_t n) -> std::vector<float>& { v.assign(n, 0.f); return v; };
     std::vector<float>& sc = zeroed(S.sc, rows * TILE); std::vector<float>& w = zeroed(S.w, TILE);
