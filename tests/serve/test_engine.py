@@ -169,6 +169,43 @@ def test_lean_steps_equal_the_forward_and_each_request_alone(kv):
     assert any(direct) == (kv == "best-4")  # fp16 holds no quantized history: the views' path
 
 
+def test_lean_steps_take_the_rows_a_recomputed_request_replays(monkeypatch):
+    """A request preempted by recompute replays its output tokens one a step, unsampled; such
+    steps still take the lean path (the replayed rows' logits dropped), and every request's
+    tokens equal its own run alone."""
+    import lessmem
+    from lessmem.weights.gguf_linear import set_int8_activations
+
+    torch.manual_seed(0)
+    m = tiny_random("llama")
+    lessmem.quantize_(m, lessmem.GGUFConfig("Q4_0"), progress=False)
+    set_int8_activations(m, True)
+    ps, params = prompts(6), SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    solo = [run(m, [p], params, kv="best-4")[0][0] for p in ps]
+    per_fp16 = run(m, ps, params, kv="fp16", prefix_cache=False)[1]["peak_device_bytes"] / 6
+    schedule, replaying, lean_with_replays = Engine._schedule, [], []
+
+    def recorded(self):
+        batch = schedule(self)
+        replaying.append(any(not chunk and not due for _, _, chunk, due in batch))
+        return batch
+
+    monkeypatch.setattr(Engine, "_schedule", recorded)
+    with lessmem.lean_decode(m) as switch:
+        lean_step = switch.serve_step
+
+        def counted(ids, positions, cache):
+            out = lean_step(ids, positions, cache)
+            lean_with_replays.append(replaying[-1] and out is not None)
+            return out
+
+        switch.serve_step = counted
+        out, m1 = run(m, ps, params, kv="best-4", kv_budget=int(per_fp16 * 1.5), preempt="recompute",
+                      prefix_cache=False)
+    assert m1["recomputes"] > 0 and any(lean_with_replays)
+    assert out == solo
+
+
 def test_fp16_engine_equals_transformers_generate(model):
     ps = prompts(3)
     out, _ = run(model, ps, kv="fp16")

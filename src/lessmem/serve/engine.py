@@ -522,11 +522,13 @@ class Engine:
         self.counters["max_running"] = max(self.counters["max_running"], len(self.running))
         dev = self.device
         logits, cache = None, BatchCache(segments, self.layers)
-        if self._lean is not None and len(keep) == len(ids) and not any(s.chunk for s in segments):
-            # decode rows only, each sampled: the lean step (None, the cache untouched, where the
-            # model can't take it)
+        if self._lean is not None and len(segments) == len(ids) and not any(s.chunk for s in segments):
+            # decode rows only: the lean step (None, the cache untouched, where the model can't take
+            # it). Rows a recomputed request replays (not sampled) are computed and their logits dropped.
             with torch.inference_mode():
                 logits = self._lean.serve_step(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), cache)
+            if logits is not None and len(keep) < len(ids):
+                logits = logits[torch.tensor(keep, dtype=torch.long, device=dev)]
             self.counters["lean_steps"] += logits is not None
         if logits is None:
             kwargs = {self._kwarg: cache, "use_cache": True,
