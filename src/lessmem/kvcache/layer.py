@@ -98,6 +98,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     segment_tokens: int | None = SEGMENT_TOKENS  # None: the history is one piece
+    trim_on_prefill = True  # a long chunk's update trims the C heap (TRIM_EVERY_LAYERS)
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations=(None, None),
                  fused: Callable[[], bool] = lambda: False):
@@ -151,8 +152,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if (key_states.shape[-2] >= TRIM_MIN_TOKENS and self.layer_idx % TRIM_EVERY_LAYERS == TRIM_EVERY_LAYERS - 1
-                and key_states.device.type == "cpu"):
+        if (self.trim_on_prefill and key_states.shape[-2] >= TRIM_MIN_TOKENS
+                and self.layer_idx % TRIM_EVERY_LAYERS == TRIM_EVERY_LAYERS - 1 and key_states.device.type == "cpu"):
             trim_heap()  # (see TRIM_EVERY_LAYERS)
         if not self.quantized:  # behaves exactly like DynamicLayer
             self.keys = torch.cat([self.keys, key_states], dim=-2)
