@@ -91,3 +91,11 @@ def test_long_prefill_chunks_trim_the_heap_every_few_layers(monkeypatch):
         for layer in layers:
             layer.update(torch.randn(1, H, tokens, D), torch.randn(1, H, tokens, D))
         assert len(trims) == want, tokens
+    # the serving engine's paged layers never trim (its next step reuses the pages)
+    from lessmem.serve.paged import PagedKVLayer, PagePool
+
+    trims.clear()
+    for i in (every - 1, 2 * every - 1):
+        PagedKVLayer(cache.kv_config, i, (None, None), lambda: False, PagePool()).update(
+            torch.randn(1, H, n, D), torch.randn(1, H, n, D))
+    assert not trims
