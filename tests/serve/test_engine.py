@@ -180,9 +180,9 @@ def test_lean_steps_take_the_rows_a_recomputed_request_replays(monkeypatch):
     m = tiny_random("llama")
     lessmem.quantize_(m, lessmem.GGUFConfig("Q4_0"), progress=False)
     set_int8_activations(m, True)
-    ps, params = prompts(6), SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    ps, params = prompts(4), SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
     solo = [run(m, [p], params, kv="best-4")[0][0] for p in ps]
-    per_fp16 = run(m, ps, params, kv="fp16", prefix_cache=False)[1]["peak_device_bytes"] / 6
+    per_request = run(m, ps, params, kv="best-4", prefix_cache=False)[1]["peak_device_bytes"] / 4
     schedule, replaying, lean_with_replays = Engine._schedule, [], []
 
     def recorded(self):
@@ -200,7 +200,7 @@ def test_lean_steps_take_the_rows_a_recomputed_request_replays(monkeypatch):
             return out
 
         switch.serve_step = counted
-        out, m1 = run(m, ps, params, kv="best-4", kv_budget=int(per_fp16 * 1.5), preempt="recompute",
+        out, m1 = run(m, ps, params, kv="best-4", kv_budget=int(per_request * 2), preempt="recompute",
                       prefix_cache=False)
     assert m1["recomputes"] > 0 and any(lean_with_replays)
     assert out == solo
@@ -226,13 +226,15 @@ def test_budget_limits_running_and_recompute_keeps_outputs(model):
 
 
 def test_swap_to_host_keeps_outputs_and_offloads_pages(model):
-    ps = prompts(6)
-    free, m_free = run(model, ps)
+    # a short window: the pages (what moves to the host) are most of a request's bytes, not
+    # the full-precision window's buffer (which stays on the device)
+    ps, kv = prompts(6), "int4:window=32"
+    free, m_free = run(model, ps, kv=kv)
     budget = int(m_free["peak_device_bytes"] / 6 * 2.5)
-    out, m = run(model, ps, kv_budget=budget, offload="host@64MiB", preempt="swap")
+    out, m = run(model, ps, kv=kv, kv_budget=budget, offload="host@64MiB", preempt="swap")
     assert out == free
     assert m["demoted_pages"] > 0 or m["preemptions"] > 0
-    assert m["max_running"] > run(model, ps, kv_budget=budget, preempt="recompute")[1]["max_running"]
+    assert m["max_running"] > run(model, ps, kv=kv, kv_budget=budget, preempt="recompute")[1]["max_running"]
 
 
 def test_shared_prefix_is_computed_once_and_changes_nothing(model):

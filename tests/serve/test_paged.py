@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from lessmem.models import tiny_random
-from lessmem.serve.paged import PagedKVCache, PagePool
+from lessmem.serve.paged import PagedKVCache, PagePool, release_snapshot
 
 
 @pytest.mark.parametrize("kv", ["best-4", "fp16", "int4"])
 def test_fp_bytes_count_every_full_precision_tensor_held(kv):
-    """``fp_bytes`` (counted without listing the tensors) equals the bytes of ``fp_tensors``
+    """``fp_bytes`` (counted without listing the tensors) equals the storage bytes of ``fp_tensors``
     for layers before any token, inside the sinks, the window and after blocks have moved
     to pages; the cache's total is the layers' sum."""
     model = tiny_random("llama")
@@ -20,9 +20,9 @@ def test_fp_bytes_count_every_full_precision_tensor_held(kv):
     heads = cfg.num_key_value_heads
     dim = cfg.hidden_size // cfg.num_attention_heads
 
-    def check():
+    def check():  # the window is a view of a buffer with spare room: the buffer is what is held
         for layer in cache.paged_layers():
-            assert layer.fp_bytes() == sum(t.numel() * t.element_size() for t in layer.fp_tensors())
+            assert layer.fp_bytes() == sum(t.untyped_storage().nbytes() for t in layer.fp_tensors())
         assert cache.fp_bytes() == sum(layer.fp_bytes() for layer in cache.paged_layers())
 
     check()  # nothing held yet
@@ -33,3 +33,9 @@ def test_fp_bytes_count_every_full_precision_tensor_held(kv):
         check()
     assert cache.fp_bytes() > 0
     assert cache.paged_layers()[-1].fp_bytes() == 0
+    if cache.paged_layers()[0].quantized:  # more than the window's tokens: its buffer's room
+        layer = cache.paged_layers()[0]
+        assert layer.fp_bytes() > sum(t.numel() * t.element_size() for t in layer.fp_tensors())
+        state = layer.snapshot()  # a prefix snapshot copies the window out: it holds just the tokens
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state["window"])
+        release_snapshot(cache.pool, [state])

@@ -210,10 +210,20 @@ class Engine:
         cache.free()
 
     def request_bytes(self, n_tokens: int) -> int:
-        """Device bytes one request holds at ``n_tokens`` tokens (measured, see above)."""
+        """Device bytes one request holds at ``n_tokens`` tokens (measured, see above). A
+        quantized cache holds its window's whole buffer from its first tokens on (room for the
+        window, a block and a few more: ``PagedKVLayer.fp_bytes``), so up to ``n0`` tokens
+        this is the bytes at ``n0``."""
         if n_tokens <= self._n0:
-            return n_tokens * self.fp_token_bytes
+            return self._b0 if n_tokens and self.kv.keys.quantized else n_tokens * self.fp_token_bytes
         return int(self._b0 + (n_tokens - self._n0) * self._per_token)
+
+    def _step_bytes(self, batch) -> int:
+        """Device bytes a step's tokens may add: each token in full precision, or more where a
+        request's cache is still to take its window buffer (``request_bytes``)."""
+        return sum(max(len(t) * self.fp_token_bytes,
+                       self.request_bytes(r.n_cached + len(t)) - self.request_bytes(r.n_cached))
+                   for r, t, _, _ in batch)
 
     def _outstanding(self) -> int:
         """Bytes the running requests' prompts will still add before they decode."""
@@ -226,7 +236,8 @@ class Engine:
 
     def _need(self, req: Request) -> int:
         """Device bytes the request's next step adds (its tokens, in full precision first)."""
-        return self._tokens_next(req) * self.fp_token_bytes
+        n = self._tokens_next(req)
+        return max(n * self.fp_token_bytes, self.request_bytes(req.n_cached + n) - self.request_bytes(req.n_cached))
 
     def _tokens_next(self, req: Request) -> int:
         n = len(req.prompt_ids)
@@ -489,7 +500,7 @@ class Engine:
         self._admit()
         batch = self._schedule()
         while batch:
-            grow = sum(len(t) for _, t, _, _ in batch) * self.fp_token_bytes
+            grow = self._step_bytes(batch)
             if self._fits(grow) or self._make_room(grow):
                 break
             if not self._preempt_one():

@@ -180,6 +180,7 @@ class PagedKVLayer(QuantizedKVLayer):
         self.pages: list[Page] = []
         self._formats = None
         self._hist = None  # (key, the history as attention reads it) while the pages stay put
+        self._fp_memo = None  # (sinks, window buffer, their bytes): fp_bytes
         super().reset()
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -255,16 +256,23 @@ class PagedKVLayer(QuantizedKVLayer):
         return [t for t in parts if t is not None]
 
     def fp_bytes(self) -> int:
-        """``fp_tensors``' bytes, counted without building the list (the engine asks every
-        layer of every request a few times a step)."""
+        """Bytes of the full-precision tensors this layer holds, what the engine budgets: the
+        unquantized keys and values, or the sinks and the window's whole buffer (the window
+        grows inside a buffer with room for a block and a few more tokens,
+        ``QuantizedKVLayer._window_append``: its capacity is held, not only the tokens in it).
+        Remembered until the sinks or the buffer change (the engine asks every layer of every
+        request a few times a step)."""
         if not self.is_initialized:
             return 0
         if not self.quantized:
             return tensor_bytes(self.keys) + tensor_bytes(self.values)
-        n = 0
-        for pair in (self.sinks, self.window):
-            if pair:
-                n += tensor_bytes(pair[0]) + tensor_bytes(pair[1])
+        sinks, window = self.sinks, self.window
+        held = self._wbuf if self._wbuf is not None and window is self._wview else window
+        memo = self._fp_memo
+        if memo is not None and memo[0] is sinks and memo[1] is held:
+            return memo[2]
+        n = sum(tensor_bytes(t) for pair in (sinks, held) if pair for t in pair)
+        self._fp_memo = (sinks, held, n)
         return n
 
     def memory(self) -> dict[str, int]:
@@ -286,9 +294,11 @@ class PagedKVLayer(QuantizedKVLayer):
     def snapshot(self) -> dict:
         """The layer's state now; its pages get one more reference (release with
         :func:`release_snapshot`). What it holds never changes: the layer replaces its
-        tensors, and writes only past the end of its window (into the window's spare room;
-        after a crop or a restore it copies the window into a new buffer first)."""
+        tensors, and the window is copied out of the buffer the layer goes on writing into
+        (which would also keep the buffer's spare room alive with the snapshot)."""
         state = {k: getattr(self, k, None) for k in self._STATE}
+        if state["window"] is not None:  # its own copy: the layer's buffer has room for a block more
+            state["window"] = (state["window"][0].clone(), state["window"][1].clone())
         state["pages"] = [self.pool.ref(p) for p in self.pages]
         return state
 

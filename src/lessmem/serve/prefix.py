@@ -35,11 +35,14 @@ from .paged import PagedKVCache, release_snapshot
 
 
 def _state_fp_bytes(states: list[dict]) -> int:
+    """Full-precision bytes snapshots hold: a window is a view of its layer's buffer, which
+    the snapshot keeps whole (its storage counted)."""
     n = 0
     for s in states:
-        for name in ("sinks", "window"):
-            if s[name] is not None:
-                n += tensor_bytes(s[name][0]) + tensor_bytes(s[name][1])
+        if s["sinks"] is not None:
+            n += tensor_bytes(s["sinks"][0]) + tensor_bytes(s["sinks"][1])
+        if s["window"] is not None:
+            n += sum(t.untyped_storage().nbytes() for t in s["window"])
         n += tensor_bytes(s["keys"]) + tensor_bytes(s["values"])
     return n
 
