@@ -186,6 +186,30 @@ def test_prompt_rows_with_reduced_precision_activations_multiply_in_bf16(monkeyp
     assert torch.allclose(q(x), fp32, atol=1e-5, rtol=0)  # no AMX-BF16: float32
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_into_writes_the_forward_outputs(monkeypatch, bf16, bias):
+    """``forward_into`` (the serving row plan's prompt chunks) writes exactly ``forward``'s
+    outputs into a part of a larger float32 output, in one piece and in slices of the weight,
+    and declines (False, ``out`` untouched) rows the fused kernel takes and permuted outputs."""
+    gl = gguf_linear
+    torch.manual_seed(0)
+    q = GGUFLinear.from_linear(nn.Linear(256, 96, bias=bias), "q4_1")
+    q.int8_activations = True
+    monkeypatch.setattr(gl, "BF16_PROMPT_ROWS", bf16)
+    x = torch.randn(40, 256)
+    for slices in (False, True):
+        if slices:
+            monkeypatch.setattr(gl, "DECODE_WEIGHTS_MAX", 256 * 32)  # 3 slices of 32 output rows
+        out = torch.full((50, 96), float("nan"))
+        assert q.forward_into(x, out[5:45])
+        assert torch.equal(out[5:45], q(x)) and out[:5].isnan().all() and out[45:].isnan().all()
+    out = torch.full((16, 96), float("nan"))
+    assert not q.forward_into(x[:16], out) and out.isnan().all()  # decode rows: the fused kernel's
+    q.out_perm = torch.arange(95, -1, -1)
+    assert not q.forward_into(x, torch.empty(40, 96))
+
+
 def test_bf16_prompt_rows_follow_the_cpu():
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()

@@ -138,7 +138,8 @@ def _invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan = _PLAN.get()
     if plan is None:
         return F.linear(x, module.weight, module.bias)
-    return _planned(x, plan, module.out_features, lambda x2: F.linear(x2, module.weight, module.bias),
+    return _planned(x, plan, module.out_features,
+                    lambda x2, out: out.copy_(F.linear(x2, module.weight, module.bias)),
                     lambda x2: _tiled(x2, module.weight, module.bias))
 
 
@@ -154,11 +155,22 @@ def _invariant_own(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return forward(module, x)
 
     def tiles(x2):
+        if x2.shape[0] <= TILE:
+            return forward(module, x2)
         return torch.cat([forward(module, x2[i:i + TILE]) for i in range(0, x2.shape[0], TILE)])
-    return _planned(x, plan, module.out_features, lambda x2: forward(module, x2), tiles)
+
+    into = getattr(module, "forward_into", None)  # (GGUFLinear: a chunk's outputs written in place)
+
+    def alone(x2, out):
+        if into is None or not into(x2, out):
+            out.copy_(forward(module, x2))
+    return _planned(x, plan, module.out_features, alone, tiles)
 
 
 def _planned(x: torch.Tensor, plan, out_features: int, alone, tiled) -> torch.Tensor:
+    """The step's outputs: the decode rows (``rows``: a slice where they lie together, as the
+    engine packs them first, else an index tensor) in tiles, each chunk alone (``alone(x2,
+    out)`` writes a chunk's outputs into its part of the step's)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     total, chunks, rows = plan
@@ -169,7 +181,7 @@ def _planned(x: torch.Tensor, plan, out_features: int, alone, tiled) -> torch.Te
         if rows is not None:
             out[rows] = tiled(x2[rows])
         for s, e in chunks:
-            out[s:e] = alone(x2[s:e])
+            alone(x2[s:e], out[s:e])
     return out.reshape(*shape[:-1], out_features)
 
 
@@ -198,7 +210,9 @@ class RowPlan:
         total = segments[-1].end
         chunks = [(s.start, s.end) for s in segments if s.chunk]
         rows = [i for s in segments if not s.chunk for i in range(s.start, s.end)]
-        return _PLAN.set((total, chunks, torch.tensor(rows) if rows else None))
+        together = rows and rows == list(range(rows[0], rows[-1] + 1))  # a view, not a gather
+        return _PLAN.set((total, chunks, slice(rows[0], rows[-1] + 1) if together
+                          else torch.tensor(rows) if rows else None))
 
     @staticmethod
     def done(token) -> None:

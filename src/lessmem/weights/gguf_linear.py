@@ -211,34 +211,51 @@ class GGUFLinear(nn.Module):
         attention of the layer this projects for follows it (``kvcache.attention``)."""
         return self.int8_activations and BF16_PROMPT_ROWS
 
-    def _decoded_matmul(self, x: torch.Tensor, bias) -> torch.Tensor:
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """Prompt rows (more than ``FUSED_MAX_ROWS``, float32) write their outputs into the
+        float32 ``out`` directly, the same numbers as ``forward`` (a bfloat16 product cast
+        once, into ``out``): the serving step's row plan fills one output for all its rows so.
+        False where it does not apply (``out`` untouched)."""
+        if (self.out_perm is not None or out.dtype != torch.float32 or x.dtype != torch.float32
+                or x.numel() <= FUSED_MAX_ROWS * self.in_features or x.shape[-1] != self.in_features):
+            return False
+        self._decoded_matmul(x, self.bias, out)
+        return True
+
+    def _decoded_matmul(self, x: torch.Tensor, bias, out: torch.Tensor | None = None) -> torch.Tensor:
         """Many rows: decode the weight and use BLAS, ``DECODE_WEIGHTS_MAX`` weights of it at a
         time, so a large matrix (a 49k-row tied ``lm_head``) is never held whole as floats.
         With ``int8_activations`` on a CPU with AMX-BF16, x and the decoded rows are rounded
-        to bfloat16 for the product (``bf16_prompt_rows``)."""
+        to bfloat16 for the product (``bf16_prompt_rows``). ``out``: a float32 tensor (x is
+        float32) the outputs are written to (``forward_into``)."""
         bf16 = self.bf16_prompt_rows and x.device.type == "cpu"
         xf = x.to(torch.bfloat16) if bf16 else x.float()
         bias = None if bias is None else bias.float()
 
-        def product(n0: int, n1: int) -> torch.Tensor:  # float32 outputs n0..n1
+        def product(n0: int, n1: int, o: torch.Tensor | None) -> torch.Tensor:
+            """float32 outputs n0..n1, written to ``o`` where given."""
             b = None if bias is None else bias[n0:n1]
             if not bf16:
                 w = _DEQUANT(self.qweight[n0:n1], self._type.ggml_id, n1 - n0, self.in_features)
-                return F.linear(xf, w, b)
+                r = F.linear(xf, w, b)
+                return r if o is None else o.copy_(r)
             # the rows decoded straight to bfloat16 (= the float32 decode's .to(bfloat16))
             w = kernel.gguf_dequantize(self.qweight[n0:n1], self._type, n1 - n0, self.in_features,
                                        dtype=torch.bfloat16)
-            out = F.linear(xf, w).float()  # float32 sums, the product in bf16
-            return out if b is None else out.add_(b)  # the bias added in float32
+            r = F.linear(xf, w)  # float32 sums, the product in bf16
+            o = r.float() if o is None else o.copy_(r)  # (cast once, into o)
+            return o if b is None else o.add_(b)  # the bias added in float32
 
         step = max(1, DECODE_WEIGHTS_MAX // self.in_features)
         if self.out_features <= step:
-            return product(0, self.out_features).to(x.dtype)
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32, device=x.device)
+            return product(0, self.out_features, out) if out is not None else \
+                product(0, self.out_features, None).to(x.dtype)
+        y = out if out is not None else torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32,
+                                                    device=x.device)
         for n0 in range(0, self.out_features, step):
             n1 = min(n0 + step, self.out_features)
-            y[..., n0:n1] = product(n0, n1)
-        return y.to(x.dtype)
+            product(n0, n1, y[..., n0:n1])
+        return y if out is not None else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
