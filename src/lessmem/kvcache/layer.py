@@ -223,7 +223,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             ks, vs = k[:, :, :take].to(self.store_dtype), v[:, :, :take].to(self.store_dtype)
             self.sinks = (torch.cat([self.sinks[0], ks], 2), torch.cat([self.sinks[1], vs], 2))
         if take < n:
-            self._window_append(k[:, :, take:], v[:, :, take:])
+            self._window_append(k[:, :, take:], v[:, :, take:]) if take else self._window_append(k, v)
         self.length += n
         B = self.config.block_size
         nblk = (self.window[0].shape[2] - self.config.window) // B
