@@ -99,6 +99,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_croppable = True
     segment_tokens: int | None = SEGMENT_TOKENS  # None: the history is one piece
     trim_on_prefill = True  # a long chunk's update trims the C heap (TRIM_EVERY_LAYERS)
+    window_spare = WINDOW_SPARE  # the window buffer's room beyond window + block_size tokens
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations=(None, None),
                  fused: Callable[[], bool] = lambda: False):
@@ -236,7 +237,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _window_append(self, k: torch.Tensor, v: torch.Tensor, fresh: bool = False) -> None:
         """Write ``k``, ``v`` after the window (``fresh``: as the whole window, in a new buffer).
 
-        The window is a prefix of a buffer with room for ``WINDOW_SPARE`` more tokens than a
+        The window is a prefix of a buffer with room for ``window_spare`` more tokens than a
         full window and a block; a decode step writes its token into the room instead of
         concatenating the whole window. Only positions past the window's end
         are written, so a view taken earlier (a step's ``LayerView``, a serving snapshot)
@@ -246,7 +247,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         m = 0 if fresh else w[0].shape[2]
         buf = self._wbuf
         if fresh or buf is None or w is not self._wview or m + n > buf[0].shape[2]:
-            cap = max(self.config.window + self.config.block_size + WINDOW_SPARE, m + n)
+            cap = max(self.config.window + self.config.block_size + self.window_spare, m + n)
             shape = (k.shape[0], k.shape[1], cap, k.shape[3])
             buf = tuple(torch.empty(shape, dtype=self.store_dtype, device=k.device) for _ in range(2))
             if m:

@@ -169,6 +169,10 @@ class PagedKVLayer(QuantizedKVLayer):
     # the chunk steps' sum 9.5-9.6 s with the trims, 8.1-9.0 s without; peak RSS 736-745 vs
     # 755-762 MiB).
     trim_on_prefill = False
+    # The window's buffer without spare room: a decode token always fits (the window flushes a
+    # block when it reaches window + block tokens) and a prompt chunk larger than the room takes
+    # a new buffer either way; the buffer is what the engine budgets (fp_bytes).
+    window_spare = 0
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations, fused, pool: PagePool):
         self.pool = pool
