@@ -536,7 +536,9 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "serve.json": "bench_serve.py",
     "serve_shared_prefix.json": "bench_serve.py",  # --no-peers: best-4, 2k prompts, a 1.5k shared prefix
     "serve_inprocess.json": "bench_serve.py",  # --inprocess: 12 x 512+96, best-4 only, 12 checked alone
-    "serve_inprocess_before.json": "bench_serve.py",  # the same at d6bb682 (session 32 before)
+    "serve_inprocess_before.json": "bench_serve.py",  # the same at d1091d4 (session 33 before)
+    "serve_fit16.json": "bench_serve.py",  # --inprocess --no-peers --fit 16: all 12 run at once
+    "serve_fit16_before.json": "bench_serve.py",  # the same at d1091d4
     "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
     "gpu.json": "bench_gpu.py",  # the H200 run of 2026-12-04
 }
