@@ -237,6 +237,22 @@ def test_swap_to_host_keeps_outputs_and_offloads_pages(model):
     assert m["max_running"] > run(model, ps, kv=kv, kv_budget=budget, preempt="recompute")[1]["max_running"]
 
 
+def test_prefix_snapshots_never_take_the_engine_over_its_budget(model):
+    """A snapshot registered after a step (its window copied out of the layer's buffer) stays
+    only in the budget's free part: after every step the engine holds at most its budget."""
+    ps = prompts(6)
+    peak = run(model, ps, prefix_cache=False)[1]["peak_device_bytes"]
+    for f in (1.5, 2.5):
+        budget, held = int(peak / 6 * f), []
+        with Engine(model, None, EngineConfig(kv="int4", chunk_tokens=64, step_tokens=128, kv_budget=budget)) as e:
+            for p in ps:
+                e.submit(p, GREEDY)
+            while e.step():
+                held.append(e.device_bytes())
+            assert e.metrics()["over_budget_steps"] == 0
+        assert max(held) <= budget
+
+
 def test_shared_prefix_is_computed_once_and_changes_nothing(model):
     ps = prompts(4, length=40, shared=192)
     with_prefix, m = run(model, ps)

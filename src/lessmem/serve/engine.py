@@ -556,6 +556,7 @@ class Engine:
         self.counters["peak_device_bytes"] = max(self.counters["peak_device_bytes"], held + self._unstage(batch))
         if self.config.kv_budget is not None and held > self.config.kv_budget:
             self.counters["over_budget_steps"] += 1
+        registered = False
         for r, toks, is_chunk, _ in batch:
             r.n_cached += len(toks)
             if is_chunk:
@@ -563,6 +564,11 @@ class Engine:
                 if self.prefix is not None and r.n_cached % self.config.chunk_tokens == 0 \
                         and r.n_cached < len(r.prompt_ids):
                     self.prefix.register(r.prompt_ids, r.n_cached, r.cache)
+                    registered = True
+        if registered and self.config.kv_budget is not None:  # snapshots live in the budget's free part
+            protect = self._wanted()
+            while self.device_bytes() > self.config.kv_budget and self.prefix.evict(protect):
+                pass
         if samplers:
             for row, r in zip(logits[:len(samplers)].float(), samplers, strict=True):
                 self._accept(r, sample(row, r.params, r.generator))
@@ -698,11 +704,9 @@ class Engine:
             for layer in r.cache.paged_layers():
                 if not layer.is_initialized:
                     continue
-                if layer.quantized:
-                    fmt["sinks"] += sum(t.numel() * t.element_size() for t in (layer.sinks or ()))
-                    fmt["window"] += sum(t.numel() * t.element_size() for t in (layer.window or ()))
-                else:
-                    fmt["window"] += layer.fp_bytes()
+                sinks = sum(t.numel() * t.element_size() for t in (layer.sinks or ())) if layer.quantized else 0
+                fmt["sinks"] += sinks
+                fmt["window"] += layer.fp_bytes() - sinks  # (the window's buffer, as budgeted)
         with self._lock:
             waiting, swapped = len(self.waiting), len(self.swapped)
         pc = self.prefix
