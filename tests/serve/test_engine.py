@@ -253,6 +253,17 @@ def test_prefix_snapshots_never_take_the_engine_over_its_budget(model):
         assert max(held) <= budget
 
 
+def test_a_decode_token_that_completes_a_block_is_budgeted(model):
+    """The window's buffer stays when a block moves into the pages, so that step adds the
+    block's pages at once: the step's estimate counts them, and no step goes over the budget
+    (this case went 1,408 bytes over when each decode token was counted in full precision)."""
+    ps, params = prompts(6), SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    peak = run(model, ps, params, prefix_cache=False)[1]["peak_device_bytes"]
+    budget = int(peak / 6 * 3)
+    out, m = run(model, ps, params, kv_budget=budget, prefix_cache=False)
+    assert m["preemptions"] > 0 and m["over_budget_steps"] == 0 and m["peak_device_bytes"] <= budget
+
+
 def test_shared_prefix_is_computed_once_and_changes_nothing(model):
     ps = prompts(4, length=40, shared=192)
     with_prefix, m = run(model, ps)

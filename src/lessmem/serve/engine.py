@@ -218,12 +218,24 @@ class Engine:
             return self._b0 if n_tokens and self.kv.keys.quantized else n_tokens * self.fp_token_bytes
         return int(self._b0 + (n_tokens - self._n0) * self._per_token)
 
+    def _blocks(self, n_tokens: int) -> int:
+        """Blocks a quantized cache has moved into its pages after ``n_tokens`` tokens."""
+        return max(0, (n_tokens - self.kv.sinks - self.kv.window) // self.kv.block_size)
+
+    def _grow(self, n0: int, n1: int) -> int:
+        """Device bytes a request's cache may add going from ``n0`` to ``n1`` tokens: each new
+        token in full precision, the measured estimate (``request_bytes``), or, where a block
+        moves into the pages at once (a decode token can complete one: the window's buffer stays,
+        the pages grow by a block), those pages (and the first tokens' buffer)."""
+        grow = max((n1 - n0) * self.fp_token_bytes, self.request_bytes(n1) - self.request_bytes(n0))
+        if self.kv.keys.quantized:
+            pages = (self._blocks(n1) - self._blocks(n0)) * self.kv.block_size * self._per_token
+            grow = max(grow, int(pages) + (self._b0 if n0 == 0 < n1 else 0))
+        return grow
+
     def _step_bytes(self, batch) -> int:
-        """Device bytes a step's tokens may add: each token in full precision, or more where a
-        request's cache is still to take its window buffer (``request_bytes``)."""
-        return sum(max(len(t) * self.fp_token_bytes,
-                       self.request_bytes(r.n_cached + len(t)) - self.request_bytes(r.n_cached))
-                   for r, t, _, _ in batch)
+        """Device bytes a step's tokens may add (``_grow`` for each request)."""
+        return sum(self._grow(r.n_cached, r.n_cached + len(t)) for r, t, _, _ in batch)
 
     def _outstanding(self) -> int:
         """Bytes the running requests' prompts will still add before they decode."""
@@ -236,8 +248,7 @@ class Engine:
 
     def _need(self, req: Request) -> int:
         """Device bytes the request's next step adds (its tokens, in full precision first)."""
-        n = self._tokens_next(req)
-        return max(n * self.fp_token_bytes, self.request_bytes(req.n_cached + n) - self.request_bytes(req.n_cached))
+        return self._grow(req.n_cached, req.n_cached + self._tokens_next(req))
 
     def _tokens_next(self, req: Request) -> int:
         n = len(req.prompt_ids)
