@@ -264,6 +264,43 @@ def test_a_decode_token_that_completes_a_block_is_budgeted(model):
     assert m["preemptions"] > 0 and m["over_budget_steps"] == 0 and m["peak_device_bytes"] <= budget
 
 
+@pytest.mark.parametrize("kv", ["best-4", "fp16"])
+def test_a_prefix_hit_budgets_the_copy_of_the_snapshot_tensors(model, kv):
+    """A request that starts from a prefix snapshot shares its pages, but its first update
+    copies the snapshot's full-precision tensors (a quantized cache's window into a buffer of
+    its own, an unquantized cache's keys and values): the engine's estimate for that step
+    (``_grow`` with ``shared``) covers what the cache then holds more, and admission counts
+    only the pages as shared."""
+    from lessmem.serve.paged import PagedKVCache, release_snapshot
+
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+
+    def fill(cache, n):
+        for i in range(cfg.num_hidden_layers):
+            k = torch.randn(1, heads, n, dim, generator=g)
+            cache.update(k, k.clone(), i)
+
+    with Engine(model, None, EngineConfig(kv=kv, chunk_tokens=64)) as e:
+        src = PagedKVCache(cfg, e.kv, e.pool)
+        fill(src, 192)
+        states = src.snapshot()
+        dst = PagedKVCache(cfg, e.kv, e.pool)
+        dst.load_snapshot(states, e._probe)
+        assert dst.fp_shared() and not src.fp_shared()
+        before = e.pool.device_bytes + dst.fp_bytes()
+        fill(dst, 64)  # the request's next chunk
+        assert not dst.fp_shared()
+        added = e.pool.device_bytes + dst.fp_bytes() - before
+        assert 0 < added <= e._grow(192, 256, shared=True)
+        assert e._grow(192, 256, shared=True) > e._grow(192, 256)
+        assert e._prefix_bytes(192) == pytest.approx(sum(p.nbytes for p in src.pages()), abs=1)  # pages only
+        release_snapshot(e.pool, states)
+        src.free()
+        dst.free()
+
+
 def test_shared_prefix_is_computed_once_and_changes_nothing(model):
     ps = prompts(4, length=40, shared=192)
     with_prefix, m = run(model, ps)

@@ -205,6 +205,8 @@ class Engine:
                 k = torch.randn(1, self._kv_heads, n, self._head_dim, generator=g).to(self._probe.dtype)
                 cache.update(k, k.clone(), i)
             sizes.append(pool.device_bytes + cache.fp_bytes())
+            if n == self._n0:
+                self._fp0 = cache.fp_bytes()  # a quantized cache's sinks and window buffers
         self._b0 = sizes[0]
         self._per_token = (sizes[1] - sizes[0]) / self.kv.block_size
         cache.free()
@@ -212,8 +214,8 @@ class Engine:
     def request_bytes(self, n_tokens: int) -> int:
         """Device bytes one request holds at ``n_tokens`` tokens (measured, see above). A
         quantized cache holds its window's whole buffer from its first tokens on (room for the
-        window, a block and a few more: ``PagedKVLayer.fp_bytes``), so up to ``n0`` tokens
-        this is the bytes at ``n0``."""
+        window and a block: ``PagedKVLayer.fp_bytes``), so up to ``n0`` tokens this is the
+        bytes at ``n0``."""
         if n_tokens <= self._n0:
             return self._b0 if n_tokens and self.kv.keys.quantized else n_tokens * self.fp_token_bytes
         return int(self._b0 + (n_tokens - self._n0) * self._per_token)
@@ -222,24 +224,38 @@ class Engine:
         """Blocks a quantized cache has moved into its pages after ``n_tokens`` tokens."""
         return max(0, (n_tokens - self.kv.sinks - self.kv.window) // self.kv.block_size)
 
-    def _grow(self, n0: int, n1: int) -> int:
+    def _grow(self, n0: int, n1: int, shared: bool = False) -> int:
         """Device bytes a request's cache may add going from ``n0`` to ``n1`` tokens: each new
         token in full precision, the measured estimate (``request_bytes``), or, where a block
         moves into the pages at once (a decode token can complete one: the window's buffer stays,
-        the pages grow by a block), those pages (and the first tokens' buffer)."""
+        the pages grow by a block), those pages and, for the first tokens, the window's buffer.
+        ``shared``: the cache still holds a prefix snapshot's full-precision tensors, which its
+        next update copies (a quantized cache into a buffer of its own, an unquantized one into
+        keys and values of all ``n1`` tokens)."""
         grow = max((n1 - n0) * self.fp_token_bytes, self.request_bytes(n1) - self.request_bytes(n0))
         if self.kv.keys.quantized:
             pages = (self._blocks(n1) - self._blocks(n0)) * self.kv.block_size * self._per_token
-            grow = max(grow, int(pages) + (self._b0 if n0 == 0 < n1 else 0))
+            grow = max(grow, int(pages) + (self._fp0 if shared or n0 == 0 < n1 else 0))
+        elif shared:
+            grow = max(grow, n1 * self.fp_token_bytes)
         return grow
+
+    def _shared(self, req: Request) -> bool:
+        return req.cache is not None and req.cache.fp_shared()
 
     def _step_bytes(self, batch) -> int:
         """Device bytes a step's tokens may add (``_grow`` for each request)."""
-        return sum(self._grow(r.n_cached, r.n_cached + len(t)) for r, t, _, _ in batch)
+        return sum(self._grow(r.n_cached, r.n_cached + len(t), self._shared(r)) for r, t, _, _ in batch)
+
+    def _prefix_bytes(self, p: int) -> int:
+        """Bytes a request starting from a ``p``-token prefix snapshot shares with it: the pages
+        (its full-precision tensors are copied at its first update)."""
+        return int(self._blocks(p) * self.kv.block_size * self._per_token) if self.kv.keys.quantized else 0
 
     def _outstanding(self) -> int:
         """Bytes the running requests' prompts will still add before they decode."""
         return sum(max(0, self.request_bytes(len(r.prompt_ids)) - self.request_bytes(r.n_cached))
+                   + (self._grow(r.n_cached, r.n_cached + 1, True) if self._shared(r) else 0)
                    for r in self.running if r.n_cached < len(r.prompt_ids))
 
     def _fits(self, extra: int) -> bool:
@@ -357,7 +373,7 @@ class Engine:
                     if req.hashes is None:
                         req.hashes = self.prefix.chunk_hashes(req.prompt_ids)
                     p, key = self.prefix.peek(req.prompt_ids, req.hashes)
-                need = self.request_bytes(len(req.prompt_ids) + 1) - (self.request_bytes(p) if p else 0) \
+                need = self.request_bytes(len(req.prompt_ids) + 1) - self._prefix_bytes(p) \
                     + self._outstanding() + self._watermark()
                 if not self._fits(need) and not self._make_room(need, {key}):
                     if self.running or self.config.kv_budget is None:

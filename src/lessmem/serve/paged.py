@@ -185,6 +185,7 @@ class PagedKVLayer(QuantizedKVLayer):
         self._formats = None
         self._hist = None  # (key, the history as attention reads it) while the pages stay put
         self._fp_memo = None  # (sinks, window buffer, their bytes): fp_bytes
+        self.fp_shared = False  # holding a snapshot's full-precision tensors, until the next update
         super().reset()
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -194,6 +195,7 @@ class PagedKVLayer(QuantizedKVLayer):
             self.keys, self.values = self.keys.to(self.store_dtype), self.values.to(self.store_dtype)
 
     def update(self, key_states, value_states, *args, **kwargs):
+        self.fp_shared = False  # (the window or the keys and values are copied below)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.quantized:
@@ -262,7 +264,7 @@ class PagedKVLayer(QuantizedKVLayer):
     def fp_bytes(self) -> int:
         """Bytes of the full-precision tensors this layer holds, what the engine budgets: the
         unquantized keys and values, or the sinks and the window's whole buffer (the window
-        grows inside a buffer with room for a block and a few more tokens,
+        grows inside a buffer with room for the window and a block,
         ``QuantizedKVLayer._window_append``: its capacity is held, not only the tokens in it).
         Remembered until the sinks or the buffer change (the engine asks every layer of every
         request a few times a step)."""
@@ -317,6 +319,7 @@ class PagedKVLayer(QuantizedKVLayer):
             setattr(self, k, state[k])
         self.pages = [self.pool.ref(p) for p in state["pages"]]
         self._formats = self._hist = None
+        self.fp_shared = True
 
 
 def release_snapshot(pool: PagePool, states: list[dict]) -> None:
@@ -348,6 +351,11 @@ class PagedKVCache(KVCache):
     def _new_layer(self, layer_idx: int) -> PagedKVLayer:
         self.rotations = self.pool.rotations(self.rotations)
         return PagedKVLayer(self.kv_config, layer_idx, self.rotations, self._fused, self.pool)
+
+    def fp_shared(self) -> bool:
+        """Whether a layer still holds a prefix snapshot's full-precision tensors (copied at
+        its next update: the engine budgets that copy)."""
+        return any(layer.fp_shared for layer in self.paged_layers())
 
     def paged_layers(self) -> list[PagedKVLayer]:
         return [layer for layer in self.layers if isinstance(layer, PagedKVLayer)]

@@ -35,8 +35,8 @@ from .paged import PagedKVCache, release_snapshot
 
 
 def _state_fp_bytes(states: list[dict]) -> int:
-    """Full-precision bytes snapshots hold: a window is a view of its layer's buffer, which
-    the snapshot keeps whole (its storage counted)."""
+    """Full-precision bytes snapshots hold, each window by the storage behind it (a snapshot's
+    own copy: ``PagedKVLayer.snapshot``; a state read back from a tier: its own tensors)."""
     n = 0
     for s in states:
         if s["sinks"] is not None:
