@@ -39,3 +39,32 @@ def test_fp_bytes_count_every_full_precision_tensor_held(kv):
         state = layer.snapshot()  # a prefix snapshot copies the window out: it holds just the tokens
         assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state["window"])
         release_snapshot(cache.pool, [state])
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_staged_history_is_kept_only_from_a_memory_tier(tier, tmp_path):
+    """A layer keeps the history it read (and the kernel's table made for it) while its pages
+    stay put; with a page staged from host RAM the same tensors come back every step, so the
+    history is kept across steps; staged from disk it is a fresh copy, not kept, and no history
+    kept from before holds the demoted page's tensors."""
+    from lessmem.offload import DiskTier, HostTier
+
+    model = tiny_random("llama")
+    pool = PagePool()
+    cache = PagedKVCache(model.config, "int4", pool)
+    cfg, g = model.config, torch.Generator().manual_seed(0)
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    k = torch.randn(1, heads, 300, dim, generator=g)
+    cache.update(k, k.clone(), 0)
+    layer = cache.paged_layers()[0]
+    assert layer.read_history() is layer.read_history()  # on the device: kept
+    page = layer.pages[0]
+    lower = HostTier(capacity=None) if tier == "host" else DiskTier(tmp_path / "kv")
+    assert pool.demote(page, lower, "p0")
+    seen = []
+    for _ in range(2):  # two steps: stage, read, unstage
+        assert pool.stage(page)
+        seen.append(layer.read_history())
+        assert (layer._hist is not None) == (tier == "host")
+        page.staged = None
+    assert (seen[0] is seen[1]) == (tier == "host")

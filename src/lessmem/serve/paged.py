@@ -37,6 +37,7 @@ from ..kvcache.config import KVConfig
 from ..kvcache.layer import _DTYPES, QuantizedKVLayer, _side, count_part
 from ..kvcache.presets import resolve
 from ..kvcache.tiered.blocks import tensor_bytes
+from ..offload.memory import MemoryTier
 
 _ids = itertools.count()
 
@@ -220,14 +221,21 @@ class PagedKVLayer(QuantizedKVLayer):
         self._hist = None
 
     def read_history(self) -> QuantKV | SegmentedKV | None:
+        """The history as attention reads it, kept (with the kernel's pointer table made for
+        it) while the pages and the tensors they are read from stay the same. A page staged
+        from a memory tier (host RAM) counts by the identity of its tensors, which that tier
+        holds and hands back every step (the kept history holds them too, so an identity is
+        not reused while it is kept); one staged from another tier (disk, Redis) is a fresh
+        copy each step, not kept beyond it."""
         if not self.pages:
             return None
-        key = (len(self.pages), self.pool.epoch)
+        key = (len(self.pages), self.pool.epoch,
+               tuple(tuple(map(id, p.staged.values())) for p in self.pages if p.staged is not None))
         if self._hist is not None and self._hist[0] == key:
             return self._hist[1]
         hist = self._read_pages()
-        if all(p.on_device for p in self.pages):  # staged pages change every step: not kept
-            self._hist = (key, hist)
+        keep = all(p.on_device or isinstance(p.where, MemoryTier) for p in self.pages)
+        self._hist = (key, hist) if keep else None  # (an old one would hold demoted pages' tensors)
         return hist
 
     def _read_pages(self) -> QuantKV | SegmentedKV:
