@@ -539,6 +539,8 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "serve_inprocess_before.json": "bench_serve.py",  # the same at d1091d4 (session 33 before)
     "serve_fit16.json": "bench_serve.py",  # --inprocess --no-peers --fit 16: all 12 run at once
     "serve_fit16_before.json": "bench_serve.py",  # the same at d1091d4
+    "serve_tier.json": "bench_serve.py",  # --inprocess --no-peers, best-4 and best-4 + host@128MiB
+    "serve_tier_before.json": "bench_serve.py",  # the same at e949d49 (before the kept staged history)
     "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
     "gpu.json": "bench_gpu.py",  # the H200 run of 2026-12-04
 }
