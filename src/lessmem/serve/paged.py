@@ -229,14 +229,17 @@ class PagedKVLayer(QuantizedKVLayer):
         copy each step, not kept beyond it."""
         if not self.pages:
             return None
-        key = (len(self.pages), self.pool.epoch,
-               tuple(tuple(map(id, p.staged.values())) for p in self.pages if p.staged is not None))
-        if self._hist is not None and self._hist[0] == key:
-            return self._hist[1]
+        key, h = (len(self.pages), self.pool.epoch), self._hist  # (the epoch: a page left or came back)
+        if h is not None and h[0] == key and (h[2] is None or h[2] == self._staged_ids()):
+            return h[1]
         hist = self._read_pages()
-        keep = all(p.on_device or isinstance(p.where, MemoryTier) for p in self.pages)
-        self._hist = (key, hist) if keep else None  # (an old one would hold demoted pages' tensors)
+        off = [p for p in self.pages if not p.on_device]
+        keep = all(isinstance(p.where, MemoryTier) for p in off)  # (an old one would hold demoted pages' tensors)
+        self._hist = (key, hist, self._staged_ids() if off else None) if keep else None
         return hist
+
+    def _staged_ids(self) -> tuple:
+        return tuple(tuple(map(id, p.staged.values())) for p in self.pages if p.staged is not None)
 
     def _read_pages(self) -> QuantKV | SegmentedKV:
         D = self.head_dim
