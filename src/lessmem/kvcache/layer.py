@@ -495,7 +495,6 @@ class SlidingQuantizedKVLayer(QuantizedKVLayer):
     ``KVConfig(sliding="quantize")``.
     """
 
-
     is_sliding = True
     segment_tokens = None  # (the history is bounded: one piece)
 

@@ -55,6 +55,7 @@ from ..kvcache.cache import cache_kwarg
 from ..kvcache.identity import model_fingerprint
 from ..kvcache.layer import count_part
 from ..kvcache.shape import head_dim as model_head_dim
+from ..kvcache.tiered.blocks import tensor_bytes
 from ..offload import DiskTier, HostTier, RedisTier, TierUnavailableError, build_tiers
 from .batch import BatchCache, RowPlan, Segment
 from .config import EngineConfig, SamplingParams
@@ -220,9 +221,11 @@ class Engine:
             return self._b0 if n_tokens and self.kv.keys.quantized else n_tokens * self.fp_token_bytes
         return int(self._b0 + (n_tokens - self._n0) * self._per_token)
 
-    def _blocks(self, n_tokens: int) -> int:
-        """Blocks a quantized cache has moved into its pages after ``n_tokens`` tokens."""
-        return max(0, (n_tokens - self.kv.sinks - self.kv.window) // self.kv.block_size)
+    def _page_bytes(self, n_tokens: int) -> float:
+        """Bytes of the pages a quantized cache holds after ``n_tokens`` tokens (the blocks it
+        has moved out of its window)."""
+        blocks = max(0, (n_tokens - self.kv.sinks - self.kv.window) // self.kv.block_size)
+        return blocks * self.kv.block_size * self._per_token
 
     def _grow(self, n0: int, n1: int, shared: bool = False) -> int:
         """Device bytes a request's cache may add going from ``n0`` to ``n1`` tokens: each new
@@ -234,7 +237,7 @@ class Engine:
         keys and values of all ``n1`` tokens)."""
         grow = max((n1 - n0) * self.fp_token_bytes, self.request_bytes(n1) - self.request_bytes(n0))
         if self.kv.keys.quantized:
-            pages = (self._blocks(n1) - self._blocks(n0)) * self.kv.block_size * self._per_token
+            pages = self._page_bytes(n1) - self._page_bytes(n0)
             grow = max(grow, int(pages) + (self._fp0 if shared or n0 == 0 < n1 else 0))
         elif shared:
             grow = max(grow, n1 * self.fp_token_bytes)
@@ -250,7 +253,7 @@ class Engine:
     def _prefix_bytes(self, p: int) -> int:
         """Bytes a request starting from a ``p``-token prefix snapshot shares with it: the pages
         (its full-precision tensors are copied at its first update)."""
-        return int(self._blocks(p) * self.kv.block_size * self._per_token) if self.kv.keys.quantized else 0
+        return int(self._page_bytes(p)) if self.kv.keys.quantized else 0
 
     def _outstanding(self) -> int:
         """Bytes the running requests' prompts will still add before they decode."""
@@ -731,7 +734,7 @@ class Engine:
             for layer in r.cache.paged_layers():
                 if not layer.is_initialized:
                     continue
-                sinks = sum(t.numel() * t.element_size() for t in (layer.sinks or ())) if layer.quantized else 0
+                sinks = sum(map(tensor_bytes, layer.sinks or ())) if layer.quantized else 0
                 fmt["sinks"] += sinks
                 fmt["window"] += layer.fp_bytes() - sinks  # (the window's buffer, as budgeted)
         with self._lock:

@@ -35,14 +35,13 @@ from .paged import PagedKVCache, release_snapshot
 
 
 def _state_fp_bytes(states: list[dict]) -> int:
-    """Full-precision bytes snapshots hold, each window by the storage behind it (a snapshot's
-    own copy: ``PagedKVLayer.snapshot``; a state read back from a tier: its own tensors)."""
+    """Full-precision bytes snapshots hold (a window is the snapshot's own copy,
+    ``PagedKVLayer.snapshot``, or a tier's read: its bytes are its tensors')."""
     n = 0
     for s in states:
-        if s["sinks"] is not None:
-            n += tensor_bytes(s["sinks"][0]) + tensor_bytes(s["sinks"][1])
-        if s["window"] is not None:
-            n += sum(t.untyped_storage().nbytes() for t in s["window"])
+        for name in ("sinks", "window"):
+            if s[name] is not None:
+                n += tensor_bytes(s[name][0]) + tensor_bytes(s[name][1])
         n += tensor_bytes(s["keys"]) + tensor_bytes(s["values"])
     return n
 

@@ -42,7 +42,6 @@ class TierContext:
 class TieredKVLayer(QuantizedKVLayer):
     """A quantized layer whose history lives in its cache's tiers; see the module doc."""
 
-
     def __init__(self, config: KVConfig, layer_idx: int, rotations, fused, tiers: TierContext):
         self.tiers = tiers
         super().__init__(config, layer_idx, rotations, fused)
