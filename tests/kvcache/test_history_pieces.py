@@ -48,21 +48,34 @@ def test_history_in_pieces_reads_like_one_piece(monkeypatch, spec):
 
 
 def test_window_is_written_in_place_without_touching_earlier_views():
-    """The window grows inside a buffer: a step writes past its end, so what an earlier view
-    (a step's LayerView, a serving snapshot) holds never changes, even after a crop."""
+    """The window grows inside a buffer of its tokens rounded up to ``WINDOW_GRAIN``: a step
+    writes past its end, so what an earlier view (a step's LayerView, a serving snapshot)
+    holds never changes, even after a crop; a window that outgrows its buffer moves into a
+    larger one, and ``memory()`` reports the buffer's room apart from the tokens."""
+    from lessmem.kvcache.layer import WINDOW_GRAIN
+
     torch.manual_seed(0)
     model = tiny_random("llama")
     cache = KVCache(model.config, resolve("best-4:window=16"))
     ids = torch.randint(1, model.config.vocab_size, (1, 40))
     with torch.inference_mode(), enable(model):
-        model(ids[:, :20], cache=cache, use_cache=True)
+        model(ids[:, :18], cache=cache, use_cache=True)  # 4 sinks, 14 tokens in the window
         layer = cache.layers[0]
+        assert layer.window_held()[0].shape[2] == WINDOW_GRAIN
+        room = cache.memory()["window_room"]
+        assert room == len(cache.layers) * 2 * 2 * layer.window[0][0, :, :1].numel() * layer.window[0].element_size()
         held = [t.clone() for t in layer.window]
         before = layer.window  # what a snapshot keeps
-        model(ids[:, 20:21], cache=cache, use_cache=True)
+        model(ids[:, 18:19], cache=cache, use_cache=True)
         assert layer.window[0].data_ptr() == before[0].data_ptr()  # the same buffer, one more token
         assert layer.window[0].shape[2] == before[0].shape[2] + 1
         assert all(torch.equal(a, b) for a, b in zip(before, held, strict=True))
+        model(ids[:, 19:21], cache=cache, use_cache=True)  # 17 tokens: a larger buffer
+        assert layer.window[0].data_ptr() != before[0].data_ptr()
+        assert layer.window_held()[0].shape[2] == 2 * WINDOW_GRAIN
+        assert all(torch.equal(a, b) for a, b in zip(before, held, strict=True))
+        before = layer.window
+        held = [t.clone() for t in layer.window]
         cache.crop(-3)  # shorter: the next write goes to a new buffer, the old prefix stays
         model(ids[:, 21:30], cache=cache, use_cache=True)
         assert all(torch.equal(a, b) for a, b in zip(before, held, strict=True))

@@ -264,6 +264,38 @@ def test_a_decode_token_that_completes_a_block_is_budgeted(model):
     assert m["preemptions"] > 0 and m["over_budget_steps"] == 0 and m["peak_device_bytes"] <= budget
 
 
+@pytest.mark.parametrize("kv", ["best-4", "int4", "fp16", MIXED, PRESETS["int4"].replace(skip_layers=(1,))])
+def test_request_bytes_are_what_a_request_holds(model, kv):
+    """``request_bytes(n)`` equals the bytes a request's cache holds after ``n`` tokens (its
+    pages and full-precision tensors, as ``device_bytes`` counts them), however the tokens
+    came (prompt chunks, decode tokens, a chunk that moves several blocks at once); the
+    window's buffer is its tokens rounded up to ``WINDOW_GRAIN``, never a whole block's room
+    ahead; ``_peak_bytes`` is the most held on the way."""
+    from lessmem.kvcache.layer import WINDOW_GRAIN
+    from lessmem.serve.paged import PagedKVCache
+
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    with Engine(model, None, EngineConfig(kv=kv, chunk_tokens=64)) as e:
+        for steps in ([1] * 300, [5, 64, 64, 1, 1, 200, 3, 1, 17], [400]):
+            cache, n, held = PagedKVCache(cfg, e.kv, e.pool), 0, []
+            for t in steps:
+                for i in range(cfg.num_hidden_layers):
+                    k = torch.randn(1, heads, t, dim, generator=g)
+                    cache.update(k, k.clone(), i)
+                n += t
+                held.append(e.pool.device_bytes + cache.fp_bytes())
+                assert held[-1] == e.request_bytes(n), (steps, n)
+            if e.kv.keys.quantized and not e.kv.skip_layers:  # a short request: its window's tokens
+                assert e.request_bytes(1) == (1 if e.kv.sinks else WINDOW_GRAIN) * e.fp_token_bytes
+            cache.free()
+        # the most held between two lengths, against a walk one token at a time
+        walk = [e.request_bytes(m) for m in range(0, 420)]
+        for n0, n1 in ((0, 1), (0, 300), (100, 196), (195, 196), (196, 300), (250, 419)):
+            assert e._peak_bytes(n0, n1) == max(walk[n0 + 1:n1 + 1]), (n0, n1)
+
+
 @pytest.mark.parametrize("kv", ["best-4", "fp16"])
 def test_a_prefix_hit_budgets_the_copy_of_the_snapshot_tensors(model, kv):
     """A request that starts from a prefix snapshot shares its pages, but its first update

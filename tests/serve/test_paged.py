@@ -20,7 +20,7 @@ def test_fp_bytes_count_every_full_precision_tensor_held(kv):
     heads = cfg.num_key_value_heads
     dim = cfg.hidden_size // cfg.num_attention_heads
 
-    def check():  # the window is a view of a buffer with spare room: the buffer is what is held
+    def check():  # the window is a view of a buffer with room to grow: the buffer is what is held
         for layer in cache.paged_layers():
             assert layer.fp_bytes() == sum(t.untyped_storage().nbytes() for t in layer.fp_tensors())
         assert cache.fp_bytes() == sum(layer.fp_bytes() for layer in cache.paged_layers())

@@ -355,9 +355,12 @@ class KVCache(Cache):
         ``total``, ``fp16_equivalent`` (the same tokens at 2 bytes per element),
         ``compression`` (fp16_equivalent / total), ``k_bits``/``v_bits`` (stored bits
         per quantized element, metadata included; 0 before any token is quantized),
-        ``tokens`` (sequence length).
+        ``tokens`` (sequence length), ``window_room`` (the windows' buffers' room for tokens
+        to come: allocated, held, and not in ``total``, which counts what the tokens take;
+        under ``WINDOW_GRAIN`` tokens a layer, see ``kvcache.layer``).
         """
         tot = dict(codes=0, scales=0, zero_points=0, window=0, sinks=0)
+        room = 0
         kq = vq = qel = 0
         fp16 = 0
         for layer in self.layers:
@@ -365,6 +368,7 @@ class KVCache(Cache):
                 m = layer.memory()
                 for k in tot:
                     tot[k] += m[k]
+                room += m["window_room"]
                 kq, vq, qel = kq + m["k_quant_bytes"], vq + m["v_quant_bytes"], qel + m["quant_elements"]
                 fp16 += layer.fp16_equivalent()
             elif isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys is not None:
@@ -376,7 +380,7 @@ class KVCache(Cache):
         out.update(total=total, fp16_equivalent=fp16,
                    compression=(fp16 / total) if total else 0.0,
                    k_bits=8 * kq / qel if qel else 0.0, v_bits=8 * vq / qel if qel else 0.0,
-                   tokens=self.get_seq_length())
+                   tokens=self.get_seq_length(), window_room=room)
         return out
 
     def __repr__(self) -> str:

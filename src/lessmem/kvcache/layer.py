@@ -57,7 +57,17 @@ SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (modul
 # it with the other trims).
 TRIM_EVERY_LAYERS = 10
 TRIM_MIN_TOKENS = 128
-WINDOW_SPARE = 16  # a window buffer's room beyond window + block_size tokens
+# The window lives in a buffer whose capacity is its tokens rounded up to WINDOW_GRAIN: a
+# decode token is written into the room, and the buffer grows (one copy of the window) every
+# WINDOW_GRAIN tokens. A buffer sized for the fullest window (window + block_size tokens) from
+# the first token held up to block_size + 16 empty tokens a layer: a short request in the
+# serving engine held 3x its tokens, and a cache's bytes read below what it held.
+WINDOW_GRAIN = 16
+
+
+def window_capacity(tokens: int) -> int:
+    """Tokens a window buffer holding ``tokens`` tokens has room for (``WINDOW_GRAIN``)."""
+    return -(-tokens // WINDOW_GRAIN) * WINDOW_GRAIN
 
 
 def crop_to_length(tokens_to_remove, length: int) -> int:
@@ -99,7 +109,6 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_croppable = True
     segment_tokens: int | None = SEGMENT_TOKENS  # None: the history is one piece
     trim_on_prefill = True  # a long chunk's update trims the C heap (TRIM_EVERY_LAYERS)
-    window_spare = WINDOW_SPARE  # the window buffer's room beyond window + block_size tokens
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations=(None, None),
                  fused: Callable[[], bool] = lambda: False):
@@ -237,18 +246,18 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _window_append(self, k: torch.Tensor, v: torch.Tensor, fresh: bool = False) -> None:
         """Write ``k``, ``v`` after the window (``fresh``: as the whole window, in a new buffer).
 
-        The window is a prefix of a buffer with room for ``window_spare`` more tokens than a
-        full window and a block; a decode step writes its token into the room instead of
-        concatenating the whole window. Only positions past the window's end
-        are written, so a view taken earlier (a step's ``LayerView``, a serving snapshot)
-        keeps its tokens; a window set from outside (crop, batch operations, a restore) is
-        copied into a new buffer first, and so is the rest after a flush."""
+        The window is a prefix of a buffer with room for its tokens rounded up to
+        ``WINDOW_GRAIN``; a decode step writes its token into the room instead of concatenating
+        the whole window, and a window that outgrows its buffer moves into a larger one. Only
+        positions past the window's end are written, so a view taken earlier (a step's
+        ``LayerView``, a serving snapshot) keeps its tokens; a window set from outside (crop,
+        batch operations, a restore) is copied into a new buffer first, and so is the rest
+        after a flush."""
         w, n = self.window, k.shape[2]
         m = 0 if fresh else w[0].shape[2]
         buf = self._wbuf
         if fresh or buf is None or w is not self._wview or m + n > buf[0].shape[2]:
-            cap = max(self.config.window + self.config.block_size + self.window_spare, m + n)
-            shape = (k.shape[0], k.shape[1], cap, k.shape[3])
+            shape = (k.shape[0], k.shape[1], window_capacity(m + n), k.shape[3])
             buf = tuple(torch.empty(shape, dtype=self.store_dtype, device=k.device) for _ in range(2))
             if m:
                 buf[0][:, :, :m].copy_(w[0])
@@ -257,6 +266,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         buf[0][:, :, m:m + n].copy_(k)
         buf[1][:, :, m:m + n].copy_(v)
         self.window = self._wview = (buf[0][:, :, :m + n], buf[1][:, :, :m + n])
+
+    def window_held(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The window's keys and values as held: its whole buffer (room included) while the
+        window is the view last written into it, else the window's own tensors."""
+        if self.window is None:
+            return None
+        return self._wbuf if self._wbuf is not None and self.window is self._wview else self.window
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         kf, vf = k.float(), v.float()
@@ -396,7 +412,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             return 0 if t is None else t.numel() * t.element_size()
 
         m = dict(codes=0, scales=0, zero_points=0, window=0, sinks=0, k_quant_bytes=0,
-                 v_quant_bytes=0, quant_elements=0, tokens=self.length)
+                 v_quant_bytes=0, quant_elements=0, tokens=self.length, window_room=0)
         if not self.is_initialized:
             return m
         if not self.quantized:
@@ -404,6 +420,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             return m
         m["sinks"] = nb(self.sinks[0]) + nb(self.sinks[1])
         m["window"] = nb(self.window[0]) + nb(self.window[1])
+        held = self.window_held()
+        m["window_room"] = 0 if held is None else nb(held[0]) + nb(held[1]) - m["window"]
         for piece in self._pieces:
             for name, t in piece.items():
                 count_part(m, name, nb(t))

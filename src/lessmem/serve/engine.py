@@ -53,7 +53,7 @@ import torch
 from ..kvcache.attention import enable
 from ..kvcache.cache import cache_kwarg
 from ..kvcache.identity import model_fingerprint
-from ..kvcache.layer import count_part
+from ..kvcache.layer import count_part, window_capacity
 from ..kvcache.shape import head_dim as model_head_dim
 from ..kvcache.tiered.blocks import tensor_bytes
 from ..offload import DiskTier, HostTier, RedisTier, TierUnavailableError, build_tiers
@@ -193,54 +193,72 @@ class Engine:
         return self.pool.device_bytes + fp + (self.prefix.fp_bytes if self.prefix else 0)
 
     def _measure_bytes(self) -> None:
-        """Bytes a request holds at ``n0`` tokens and per token after that, measured once by
-        filling a scratch cache of this config (every scale and window counted)."""
+        """What a request's bytes are made of, measured once by filling a scratch cache of this
+        config up to its first block in the pages (every scale and zero point counted): the
+        bytes of a page of each quantized layer together (``_block_bytes``), of a
+        full-precision token in the quantized layers (sinks, window: ``_fp_q``) and in the
+        unquantized ones (``_fp_u``). ``request_bytes`` adds them up."""
         pool = PagePool()
         cache = PagedKVCache(self.model.config, self.kv, pool, attention="reference")
-        q = self.kv.keys.quantized
-        self._n0 = (self.kv.sinks + self.kv.window + self.kv.block_size) if q else 1
-        g = torch.Generator().manual_seed(0)
-        sizes = []
-        for n in (self._n0, self.kv.block_size):
+        self._block_bytes = self._fp_q = self._fp_u = 0
+        if self.kv.keys.quantized:
+            n = self.kv.sinks + self.kv.window + self.kv.block_size  # one block moves into the pages
+            g = torch.Generator().manual_seed(0)
             for i in range(self.layers):
                 k = torch.randn(1, self._kv_heads, n, self._head_dim, generator=g).to(self._probe.dtype)
                 cache.update(k, k.clone(), i)
-            sizes.append(pool.device_bytes + cache.fp_bytes())
-            if n == self._n0:
-                self._fp0 = cache.fp_bytes()  # a quantized cache's sinks and window buffers
-        self._b0 = sizes[0]
-        self._per_token = (sizes[1] - sizes[0]) / self.kv.block_size
+            for layer in cache.paged_layers():
+                if layer.quantized:
+                    held = self.kv.sinks + layer.window_held()[0].shape[2]
+                    self._fp_q += layer.fp_bytes() // held
+                else:
+                    self._fp_u += layer.fp_bytes() // n
+            self._block_bytes = pool.device_bytes
         cache.free()
 
     def request_bytes(self, n_tokens: int) -> int:
-        """Device bytes one request holds at ``n_tokens`` tokens (measured, see above). A
-        quantized cache holds its window's whole buffer from its first tokens on (room for the
-        window and a block: ``PagedKVLayer.fp_bytes``), so up to ``n0`` tokens this is the
-        bytes at ``n0``."""
-        if n_tokens <= self._n0:
-            return self._b0 if n_tokens and self.kv.keys.quantized else n_tokens * self.fp_token_bytes
-        return int(self._b0 + (n_tokens - self._n0) * self._per_token)
+        """Device bytes one request holds at ``n_tokens`` tokens: an unquantized cache's tokens,
+        or a quantized one's sinks, pages (the blocks moved out of its window) and window
+        buffer (its tokens rounded up to ``WINDOW_GRAIN``), and its unquantized layers'
+        tokens. Exact: the same count as ``device_bytes`` makes of the tensors after a step
+        (``tests/serve/test_engine.py`` checks it)."""
+        if not self.kv.keys.quantized:
+            return n_tokens * self.fp_token_bytes
+        sinks = min(n_tokens, self.kv.sinks)
+        blocks = self._blocks(n_tokens)
+        window = n_tokens - sinks - blocks * self.kv.block_size
+        fp = (sinks + window_capacity(window)) * self._fp_q + n_tokens * self._fp_u
+        return fp + blocks * self._block_bytes
 
-    def _page_bytes(self, n_tokens: int) -> float:
-        """Bytes of the pages a quantized cache holds after ``n_tokens`` tokens (the blocks it
-        has moved out of its window)."""
-        blocks = max(0, (n_tokens - self.kv.sinks - self.kv.window) // self.kv.block_size)
-        return blocks * self.kv.block_size * self._per_token
+    def _blocks(self, n_tokens: int) -> int:
+        """Blocks a quantized cache has moved into its pages after ``n_tokens`` tokens."""
+        return max(0, (n_tokens - self.kv.sinks - self.kv.window) // self.kv.block_size)
+
+    def _peak_bytes(self, n0: int, n1: int) -> int:
+        """The most device bytes a request holds on its way from ``n0`` to ``n1`` tokens: at
+        ``n1``, or, for a quantized cache, with its window's buffer at its fullest, the token
+        before the last block it moves into the pages on the way (the bytes drop there:
+        a block's codes take less than its tokens did in the window)."""
+        peak = self.request_bytes(n1)
+        if self.kv.keys.quantized:
+            before = self.kv.sinks + self.kv.window + self._blocks(n1 + 1) * self.kv.block_size - 1
+            if self._blocks(n1 + 1) and n0 < before <= n1:
+                peak = max(peak, self.request_bytes(before))
+        return peak
+
+    def _page_bytes(self, n_tokens: int) -> int:
+        """Bytes of the pages a quantized cache holds after ``n_tokens`` tokens."""
+        return self._blocks(n_tokens) * self._block_bytes
 
     def _grow(self, n0: int, n1: int, shared: bool = False) -> int:
         """Device bytes a request's cache may add going from ``n0`` to ``n1`` tokens: each new
-        token in full precision, the measured estimate (``request_bytes``), or, where a block
-        moves into the pages at once (a decode token can complete one: the window's buffer stays,
-        the pages grow by a block), those pages and, for the first tokens, the window's buffer.
+        token in full precision, or the most it holds on the way (``_peak_bytes``).
         ``shared``: the cache still holds a prefix snapshot's full-precision tensors, which its
-        next update copies (a quantized cache into a buffer of its own, an unquantized one into
-        keys and values of all ``n1`` tokens)."""
-        grow = max((n1 - n0) * self.fp_token_bytes, self.request_bytes(n1) - self.request_bytes(n0))
-        if self.kv.keys.quantized:
-            pages = self._page_bytes(n1) - self._page_bytes(n0)
-            grow = max(grow, int(pages) + (self._fp0 if shared or n0 == 0 < n1 else 0))
-        elif shared:
-            grow = max(grow, n1 * self.fp_token_bytes)
+        next update copies (a quantized cache's sinks and window into tensors of its own, an
+        unquantized one's keys and values of all ``n1`` tokens)."""
+        grow = max((n1 - n0) * self.fp_token_bytes, self._peak_bytes(n0, n1) - self.request_bytes(n0))
+        if shared:
+            grow += self.request_bytes(n1) - self._page_bytes(n1)
         return grow
 
     def _shared(self, req: Request) -> bool:
@@ -257,7 +275,7 @@ class Engine:
 
     def _outstanding(self) -> int:
         """Bytes the running requests' prompts will still add before they decode."""
-        return sum(max(0, self.request_bytes(len(r.prompt_ids)) - self.request_bytes(r.n_cached))
+        return sum(max(0, self._peak_bytes(r.n_cached, len(r.prompt_ids)) - self.request_bytes(r.n_cached))
                    + (self._grow(r.n_cached, r.n_cached + 1, True) if self._shared(r) else 0)
                    for r in self.running if r.n_cached < len(r.prompt_ids))
 
@@ -277,7 +295,12 @@ class Engine:
         return 1
 
     def _watermark(self) -> int:
-        return len(self.running) * self.kv.block_size * self.fp_token_bytes
+        """Room for the running requests' next block of tokens after their prompts: what each
+        adds on the way (a block of full-precision tokens each for an unquantized cache; for a
+        quantized one, up to its window's fullest buffer)."""
+        B = self.kv.block_size
+        return sum(self._peak_bytes(n, n + B) - self.request_bytes(n)
+                   for n in (max(r.n_cached, len(r.prompt_ids)) for r in self.running))
 
     # ---- scheduling -------------------------------------------------------------------
     def _finish(self, req: Request, reason: str, token: int | None = None, delta: str = "") -> None:
@@ -376,7 +399,7 @@ class Engine:
                     if req.hashes is None:
                         req.hashes = self.prefix.chunk_hashes(req.prompt_ids)
                     p, key = self.prefix.peek(req.prompt_ids, req.hashes)
-                need = self.request_bytes(len(req.prompt_ids) + 1) - self._prefix_bytes(p) \
+                need = self._peak_bytes(0, len(req.prompt_ids) + 1) - self._prefix_bytes(p) \
                     + self._outstanding() + self._watermark()
                 if not self._fits(need) and not self._make_room(need, {key}):
                     if self.running or self.config.kv_budget is None:

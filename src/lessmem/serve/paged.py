@@ -170,10 +170,6 @@ class PagedKVLayer(QuantizedKVLayer):
     # the chunk steps' sum 9.5-9.6 s with the trims, 8.1-9.0 s without; peak RSS 736-745 vs
     # 755-762 MiB).
     trim_on_prefill = False
-    # The window's buffer without spare room: a decode token always fits (the window flushes a
-    # block when it reaches window + block tokens) and a prompt chunk larger than the room takes
-    # a new buffer either way; the buffer is what the engine budgets (fp_bytes).
-    window_spare = 0
 
     def __init__(self, config: KVConfig, layer_idx: int, rotations, fused, pool: PagePool):
         self.pool = pool
@@ -274,17 +270,15 @@ class PagedKVLayer(QuantizedKVLayer):
 
     def fp_bytes(self) -> int:
         """Bytes of the full-precision tensors this layer holds, what the engine budgets: the
-        unquantized keys and values, or the sinks and the window's whole buffer (the window
-        grows inside a buffer with room for the window and a block,
-        ``QuantizedKVLayer._window_append``: its capacity is held, not only the tokens in it).
-        Remembered until the sinks or the buffer change (the engine asks every layer of every
-        request a few times a step)."""
+        unquantized keys and values, or the sinks and the window's whole buffer (its tokens
+        rounded up to ``WINDOW_GRAIN``, ``QuantizedKVLayer._window_append``: the capacity is
+        held, not only the tokens in it). Remembered until the sinks or the buffer change (the
+        engine asks every layer of every request a few times a step)."""
         if not self.is_initialized:
             return 0
         if not self.quantized:
             return tensor_bytes(self.keys) + tensor_bytes(self.values)
-        sinks, window = self.sinks, self.window
-        held = self._wbuf if self._wbuf is not None and window is self._wview else window
+        sinks, held = self.sinks, self.window_held()
         memo = self._fp_memo
         if memo is not None and memo[0] is sinks and memo[1] is held:
             return memo[2]
@@ -312,9 +306,9 @@ class PagedKVLayer(QuantizedKVLayer):
         """The layer's state now; its pages get one more reference (release with
         :func:`release_snapshot`). What it holds never changes: the layer replaces its
         tensors, and the window is copied out of the buffer the layer goes on writing into
-        (which would also keep the buffer's spare room alive with the snapshot)."""
+        (which would also keep the buffer's room alive with the snapshot)."""
         state = {k: getattr(self, k, None) for k in self._STATE}
-        if state["window"] is not None:  # its own copy: the layer's buffer has room for a block more
+        if state["window"] is not None:  # its own copy: the layer's buffer has room for more
             state["window"] = (state["window"][0].clone(), state["window"][1].clone())
         state["pages"] = [self.pool.ref(p) for p in self.pages]
         return state
