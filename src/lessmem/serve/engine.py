@@ -193,11 +193,11 @@ class Engine:
         return self.pool.device_bytes + fp + (self.prefix.fp_bytes if self.prefix else 0)
 
     def _measure_bytes(self) -> None:
-        """What a request's bytes are made of, measured once by filling a scratch cache of this
-        config up to its first block in the pages (every scale and zero point counted): the
-        bytes of a page of each quantized layer together (``_block_bytes``), of a
-        full-precision token in the quantized layers (sinks, window: ``_fp_q``) and in the
-        unquantized ones (``_fp_u``). ``request_bytes`` adds them up."""
+        """What a request's bytes are made of, from a scratch cache of this config filled up to
+        its first block in the pages: the bytes of a page of each quantized layer together
+        (``_block_bytes``, measured: every scale and zero point counted), of a full-precision
+        token in the quantized layers (sinks, window: ``_fp_q``) and in the unquantized ones
+        (``_fp_u``), as the layers store them. ``request_bytes`` adds them up."""
         pool = PagePool()
         cache = PagedKVCache(self.model.config, self.kv, pool, attention="reference")
         self._block_bytes = self._fp_q = self._fp_u = 0
@@ -207,12 +207,12 @@ class Engine:
             for i in range(self.layers):
                 k = torch.randn(1, self._kv_heads, n, self._head_dim, generator=g).to(self._probe.dtype)
                 cache.update(k, k.clone(), i)
-            for layer in cache.paged_layers():
+            for layer in cache.paged_layers():  # a token's keys and values as the layer stores them
+                token = 2 * layer.batch_size * layer.num_heads * layer.head_dim * layer.store_dtype.itemsize
                 if layer.quantized:
-                    held = self.kv.sinks + layer.window_held()[0].shape[2]
-                    self._fp_q += layer.fp_bytes() // held
+                    self._fp_q += token
                 else:
-                    self._fp_u += layer.fp_bytes() // n
+                    self._fp_u += token
             self._block_bytes = pool.device_bytes
         cache.free()
 
