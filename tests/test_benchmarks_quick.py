@@ -541,6 +541,8 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "serve_fit16_before.json": "bench_serve.py",  # the same at d1091d4
     "serve_tier.json": "bench_serve.py",  # --inprocess --no-peers, best-4 and best-4 + host@128MiB
     "serve_tier_before.json": "bench_serve.py",  # the same at e949d49 (before the kept staged history)
+    "serve_window.json": "bench_serve.py",  # serve.json's command, best-4 only, --no-peers, at 0fcddb3
+    "serve_window_before.json": "bench_serve.py",  # the same at 353465c (window buffer of window + block)
     "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
     "gpu.json": "bench_gpu.py",  # the H200 run of 2026-12-04
 }
