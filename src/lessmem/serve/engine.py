@@ -250,23 +250,29 @@ class Engine:
         """Bytes of the pages a quantized cache holds after ``n_tokens`` tokens."""
         return self._blocks(n_tokens) * self._block_bytes
 
-    def _grow(self, n0: int, n1: int, shared: bool = False) -> int:
+    def _grow(self, n0: int, n1: int, held: int | None = None) -> int:
         """Device bytes a request's cache may add going from ``n0`` to ``n1`` tokens: each new
-        token in full precision, or the most it holds on the way (``_peak_bytes``).
-        ``shared``: the cache still holds a prefix snapshot's full-precision tensors, which its
-        next update copies (a quantized cache's sinks and window into tensors of its own, an
-        unquantized one's keys and values of all ``n1`` tokens)."""
-        grow = max((n1 - n0) * self.fp_token_bytes, self._peak_bytes(n0, n1) - self.request_bytes(n0))
-        if shared:
-            grow += self.request_bytes(n1) - self._page_bytes(n1)
-        return grow
+        token in full precision, or the most it holds on the way (``_peak_bytes``) less what
+        it holds now (``held``, as ``device_bytes`` counts it; ``request_bytes(n0)`` unless
+        given, see ``_held``)."""
+        held = self.request_bytes(n0) if held is None else held
+        return max((n1 - n0) * self.fp_token_bytes, self._peak_bytes(n0, n1) - held)
 
-    def _shared(self, req: Request) -> bool:
-        return req.cache is not None and req.cache.fp_shared()
+    def _held(self, req: Request) -> int:
+        """Device bytes ``device_bytes`` counts for a running request now: ``request_bytes``,
+        or, while it still shares a prefix snapshot's full-precision tensors (its next update
+        copies them into its own: ``PagedKVLayer.fp_shared``), the snapshot's pages and
+        those tensors as they are (a snapshot's window is a copy of its tokens, without the
+        buffer's room; ``device_bytes`` counts them with the request and with the snapshot
+        until then, so the copy needs no bytes beyond the request's own)."""
+        n = req.n_cached
+        if req.cache is not None and req.cache.fp_shared():
+            return self._page_bytes(n) + req.cache.fp_bytes()
+        return self.request_bytes(n)
 
     def _step_bytes(self, batch) -> int:
         """Device bytes a step's tokens may add (``_grow`` for each request)."""
-        return sum(self._grow(r.n_cached, r.n_cached + len(t), self._shared(r)) for r, t, _, _ in batch)
+        return sum(self._grow(r.n_cached, r.n_cached + len(t), self._held(r)) for r, t, _, _ in batch)
 
     def _prefix_bytes(self, p: int) -> int:
         """Bytes a request starting from a ``p``-token prefix snapshot shares with it: the pages
@@ -275,8 +281,7 @@ class Engine:
 
     def _outstanding(self) -> int:
         """Bytes the running requests' prompts will still add before they decode."""
-        return sum(max(0, self._peak_bytes(r.n_cached, len(r.prompt_ids)) - self.request_bytes(r.n_cached))
-                   + (self._grow(r.n_cached, r.n_cached + 1, True) if self._shared(r) else 0)
+        return sum(max(0, self._peak_bytes(r.n_cached, len(r.prompt_ids)) - self._held(r))
                    for r in self.running if r.n_cached < len(r.prompt_ids))
 
     def _fits(self, extra: int) -> bool:

@@ -359,7 +359,7 @@ class PagedKVCache(KVCache):
 
     def fp_shared(self) -> bool:
         """Whether a layer still holds a prefix snapshot's full-precision tensors (copied at
-        its next update: the engine budgets that copy)."""
+        its next update; ``fp_bytes`` counts them until then, ``Engine._held``)."""
         return any(layer.fp_shared for layer in self.paged_layers())
 
     def paged_layers(self) -> list[PagedKVLayer]:
