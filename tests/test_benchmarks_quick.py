@@ -331,8 +331,8 @@ def check_serve(data: dict, fresh: bool) -> None:
             continue
         assert checked > 0 and matched == checked, f"{w}: only {matched}/{checked} outputs equal the request run alone"
         assert need(r, "output_tokens", int, w) == n * g, f"{w}: {r['output_tokens']} output tokens, not {n}x{g}"
-        # (the scraped device figure counts a prefix snapshot's window again while the request that
-        # registered it still holds the same tensors, for up to one step: within 20% of the budget)
+        # (the scraped device figure counts a prefix snapshot's full-precision tensors again while a
+        # request started from it still shares them, until its first update: within 20% of the budget)
         assert tiers["device"] <= 1.2 * budget, f"{w}: device KV {tiers['device']} B over the budget {budget} B"
         peak = need(r, "kv_device_peak_bytes", int, w)  # with a lower tier it includes the pages a step
         assert r["offload"] is not None or peak <= budget, f"{w}: device KV peak over the budget"  # reads from it
