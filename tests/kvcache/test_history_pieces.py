@@ -52,7 +52,7 @@ def test_window_is_written_in_place_without_touching_earlier_views():
     writes past its end, so what an earlier view (a step's LayerView, a serving snapshot)
     holds never changes, even after a crop; a window that outgrows its buffer moves into a
     larger one, and ``memory()`` reports the buffer's room apart from the tokens."""
-    from lessmem.kvcache.layer import WINDOW_GRAIN
+    from lessmem.base.placement import WINDOW_GRAIN
 
     torch.manual_seed(0)
     model = tiny_random("llama")

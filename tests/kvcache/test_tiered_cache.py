@@ -81,6 +81,9 @@ def test_device_budget_is_never_exceeded(tmp_path, prefetch):
     toks, _ = _gen.decode(m, cache, logits, 12, check=check)
     assert toks == ref_toks
     assert cache.device_peak <= budget and cache.over_budget == tight and len(seen) == 12
+    for layer in cache.layers:  # the budget counts the window's buffer as held (WINDOW_GRAIN), not its tokens
+        held = [*layer.sinks, *layer.window_held()]
+        assert layer.fp_bytes() == sum(t.untyped_storage().nbytes() for t in held) + layer.pending_bytes()
     mem = cache.memory()
     assert mem["tiers"]["device"] < budget and mem["tiers"]["disk"] > 0.5 * mem["total"]
     cache.close()

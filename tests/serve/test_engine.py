@@ -272,7 +272,7 @@ def test_request_bytes_are_what_a_request_holds(model, kv):
     came (prompt chunks, decode tokens, a chunk that moves several blocks at once); the
     window's buffer is its tokens rounded up to ``WINDOW_GRAIN``, never a whole block's room
     ahead; ``_peak_bytes`` is the most held on the way."""
-    from lessmem.kvcache.layer import WINDOW_GRAIN
+    from lessmem.base.placement import WINDOW_GRAIN
     from lessmem.serve.paged import PagedKVCache
 
     cfg = model.config

@@ -8,7 +8,8 @@ functions, so they cannot drift apart.
 
 What the cache needs on the device besides its device tier (``device_need``):
 
-- ``resident``: sinks, windows and partly filled blocks of every layer (always there);
+- ``resident``: sinks, windows and partly filled blocks of every layer (always there; a
+  window as held: its tokens rounded up to ``WINDOW_GRAIN``, ``window_capacity``);
 - ``growth``: the full-precision tokens this forward still adds to the layers that
   have not run yet (``tokens × bytes per token of all layers``);
 - ``reserve``: room for the histories read from lower tiers: the layer computing now
@@ -31,6 +32,19 @@ from __future__ import annotations
 
 #: histories held beside the device tier: the layer computing now, and the one being prefetched
 STAGED_LAYERS_WITH_PREFETCH = 2
+
+# A quantized layer's full-precision window lives in a buffer whose capacity is its tokens
+# rounded up to WINDOW_GRAIN (lessmem.kvcache.layer): a decode token is written into the room,
+# and the buffer grows (one copy of the window) every WINDOW_GRAIN tokens. A buffer sized for
+# the fullest window (window + block_size tokens) from the first token held up to
+# block_size + 16 empty tokens a layer: a short request in the serving engine held 3x its
+# tokens, and a cache's bytes read below what it held.
+WINDOW_GRAIN = 16
+
+
+def window_capacity(tokens: int) -> int:
+    """Tokens a window buffer holding ``tokens`` tokens has room for (``WINDOW_GRAIN``)."""
+    return -(-tokens // WINDOW_GRAIN) * WINDOW_GRAIN
 
 
 def staging_reserve(largest_history: int, prefetch: bool) -> int:

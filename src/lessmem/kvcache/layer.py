@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..base.cpu import trim_heap
+from ..base.placement import window_capacity
 from ..formats.permutation import channel_permutation
 from ..kernels.attention import QuantKV, QuantSide, SegmentedKV
 from .block import KVBlock
@@ -57,19 +58,6 @@ SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (modul
 # it with the other trims).
 TRIM_EVERY_LAYERS = 10
 TRIM_MIN_TOKENS = 128
-# The window lives in a buffer whose capacity is its tokens rounded up to WINDOW_GRAIN: a
-# decode token is written into the room, and the buffer grows (one copy of the window) every
-# WINDOW_GRAIN tokens. A buffer sized for the fullest window (window + block_size tokens) from
-# the first token held up to block_size + 16 empty tokens a layer: a short request in the
-# serving engine held 3x its tokens, and a cache's bytes read below what it held.
-WINDOW_GRAIN = 16
-
-
-def window_capacity(tokens: int) -> int:
-    """Tokens a window buffer holding ``tokens`` tokens has room for (``WINDOW_GRAIN``)."""
-    return -(-tokens // WINDOW_GRAIN) * WINDOW_GRAIN
-
-
 def crop_to_length(tokens_to_remove, length: int) -> int:
     """The length to keep for transformers' ``crop(tokens_to_remove)`` on ``length`` tokens.
 

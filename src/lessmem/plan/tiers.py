@@ -14,7 +14,8 @@ The policy replayed, per layer ℓ of L, batch B, H KV heads of dimension D:
   always stay on the device; tokens leave the window ``block`` at a time, quantized, into
   the layer's *pending* block, which is sealed every ``block_tokens`` tokens into a block
   of ``bb`` bytes (codes + scales + zero points of ``block_tokens`` tokens of one layer);
-- resident bytes ``fp`` = Σ_ℓ (sinks + window)·tb + pending bytes;
+- resident bytes ``fp`` = Σ_ℓ (sinks + window_capacity(window))·tb + pending bytes (a
+  window is held in a buffer of its tokens rounded up to ``WINDOW_GRAIN`` = 16);
 - before every read of a layer's history and at every seal the device tier is resized to
   ``room = budget − fp − c·tb·L_init − reserve`` (``c``: tokens in this forward, for the
   layers still to grow; ``reserve``: the largest layer history, twice with prefetch, for
@@ -38,7 +39,7 @@ Example:
     >>> s = tier_split(get_model("smollm2-135m"), get_kv("lessmem:int4"), 4096, kv_budget="16MiB",
     ...                offload="host@8MiB,disk:/tmp/kv")
     >>> [(t["tier"], t["blocks"]) for t in s["tiers"]], s["block_bytes"]
-    ([('device', 88), ('host', 156), ('disk', 206)], 53760)
+    ([('device', 86), ('host', 156), ('disk', 208)], 53760)
     >>> s["args"]
     '--kv int4 --kv-budget 16MiB --offload host@8MiB,disk:/tmp/kv --block-tokens 256'
 """
@@ -54,6 +55,7 @@ from ..base.placement import (
     device_need,
     device_room,
     staging_reserve,
+    window_capacity,
 )
 from ..base.tierspec import TierSpec, format_offload_spec, parse_offload_spec, redact_url, size_text
 from ..base.units import parse_bytes
@@ -212,7 +214,7 @@ def _replay(model, p: KVPrecision, batch: int, block_tokens: int, dev: _DeviceRe
         return quantized_bytes(model, p, n, batch)
 
     def fp(s: _Layer) -> float:
-        return (s.sinks + s.window) * tb + q(s.pending)
+        return (s.sinks + window_capacity(s.window)) * tb + q(s.pending)
 
     def hist(s: _Layer) -> int:
         return s.blocks * bb + q(s.pending)

@@ -50,10 +50,11 @@ from collections import deque
 
 import torch
 
+from ..base.placement import window_capacity
 from ..kvcache.attention import enable
 from ..kvcache.cache import cache_kwarg
 from ..kvcache.identity import model_fingerprint
-from ..kvcache.layer import count_part, window_capacity
+from ..kvcache.layer import count_part
 from ..kvcache.shape import head_dim as model_head_dim
 from ..kvcache.tiered.blocks import tensor_bytes
 from ..offload import DiskTier, HostTier, RedisTier, TierUnavailableError, build_tiers

@@ -104,12 +104,13 @@ class TieredKVLayer(QuantizedKVLayer):
         return self.sealed.bytes_from(self.hidden_blocks()) + self.pending_bytes()
 
     def fp_bytes(self) -> int:
-        """Bytes of what always stays on the device: sinks, window, partial block."""
+        """Bytes of what always stays on the device: sinks, the window's buffer as held (its
+        tokens rounded up to ``WINDOW_GRAIN``: ``window_held``), partial block."""
         if not self.is_initialized:
             return 0
         if not self.quantized:
             return tensor_bytes(self.keys) + tensor_bytes(self.values)
-        tokens = self.sinks[0].shape[2] + self.window[0].shape[2]
+        tokens = self.sinks[0].shape[2] + self.window_held()[0].shape[2]
         return tokens * self.token_bytes() + self.pending_bytes()
 
     # ---- transformers interface ---------------------------------------------------------
