@@ -357,7 +357,7 @@ class KVCache(Cache):
         per quantized element, metadata included; 0 before any token is quantized),
         ``tokens`` (sequence length), ``window_room`` (the windows' buffers' room for tokens
         to come: allocated, held, and not in ``total``, which counts what the tokens take;
-        under ``WINDOW_GRAIN`` tokens a layer, see ``kvcache.layer``).
+        under ``WINDOW_GRAIN`` tokens a layer, see ``base.placement``).
         """
         tot = dict(codes=0, scales=0, zero_points=0, window=0, sinks=0)
         room = 0
