@@ -716,8 +716,14 @@ def _check_args(args) -> None:
     bad = [k for k in args.kv + args.offload_kv + args.shared_kv if k not in KV_CHOICES]
     if bad:
         raise SystemExit(f"--kv {','.join(bad)}: unknown; allowed: {', '.join(KV_CHOICES)}")
-    if args.step_tokens is not None and args.step_tokens < args.chunk_tokens:
-        raise SystemExit(f"--step-tokens = {args.step_tokens}: must be >= --chunk-tokens = {args.chunk_tokens}")
+    if args.step_tokens is not None:  # the engine's own rule, before the model loads
+        from lessmem.serve.config import EngineConfig
+
+        try:
+            # (int4's 32-token block is the smallest of KV_CHOICES': only the step rule can fail here)
+            EngineConfig(kv="int4", chunk_tokens=args.chunk_tokens, step_tokens=args.step_tokens).check()
+        except ValueError as e:
+            raise SystemExit(f"--step-tokens = {args.step_tokens}: {e}") from None
     if args.alone > args.requests:
         raise SystemExit(f"--alone = {args.alone}: at most --requests = {args.requests}")
 
@@ -735,7 +741,7 @@ def main(argv=None) -> int:
                         f"quick {QUICK['chunk_tokens']})")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="the engine's most tokens a step (decode tokens and prompt chunks; default: the "
-                        "engine's own, EngineConfig.step_tokens)")
+                        "engine's own: 512, or --chunk-tokens + its max_running when more)")
     p.add_argument("--fit", type=int, default=4, help="requests of P+G tokens fp16 KV holds in the budget (4)")
     p.add_argument("--kv", default=None, help=f"presets, comma-separated (default {FULL['kv']})")
     p.add_argument("--offload", default=None,
@@ -795,7 +801,8 @@ def main(argv=None) -> int:
                requests=n, prompt_tokens=P, new_tokens=G, rate_per_s=args.rate, seed=args.seed,
                server_threads=args.threads if args.server_threads is None else (args.server_threads or "default"),
                shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens,
-               step_tokens=args.step_tokens or EngineConfig.step_tokens, fit_fp16_requests=args.fit,
+               step_tokens=EngineConfig(chunk_tokens=args.chunk_tokens, step_tokens=args.step_tokens).check().step_tokens,
+               fit_fp16_requests=args.fit,
                fp16_kv_bytes_per_token=bpt, kv_budget_bytes=budget,
                driver="in-process Engine" if args.inprocess else "HTTP (openai AsyncOpenAI, streaming)",
                scaled_from=None if args.quick else

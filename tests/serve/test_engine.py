@@ -349,7 +349,7 @@ def test_shared_prefix_is_computed_once_and_changes_nothing(model):
 
 def test_shared_pages_are_referenced_not_copied(model):
     ps = prompts(3, length=10, shared=256)
-    with Engine(model, None, EngineConfig(kv="int4", chunk_tokens=64, step_tokens=64)) as e:
+    with Engine(model, None, EngineConfig(kv="int4", chunk_tokens=64, step_tokens=128)) as e:
         first = e.submit(ps[0], SamplingParams(max_tokens=1, temperature=0))
         while not first.done.is_set():
             e.step()
@@ -412,6 +412,7 @@ def test_background_thread_and_listener(model):
     (dict(kv_budget=0), "kv_budget"),
     (dict(chunk_tokens=100, kv="int4"), "multiple of the KV config's block_size"),
     (dict(step_tokens=8), "step_tokens"),
+    (dict(chunk_tokens=512, step_tokens=512), r"chunk_tokens \+ max_running = 512 \+ 64 = 576"),
     (dict(preempt="swap"), "needs a lower tier"),
     (dict(preempt="later"), "preempt"),
     (dict(offload="device@1GiB"), "device is the KV budget"),
@@ -420,6 +421,24 @@ def test_background_thread_and_listener(model):
 def test_bad_engine_config_is_refused(cfg, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**cfg).check()
+
+
+def test_a_prompt_is_prefilled_while_others_decode_whatever_the_chunk(model):
+    """A step takes a decode token of each running request first, then whole prompt chunks
+    while ``step_tokens`` allows: unset, it leaves room for a chunk beside every decode token
+    (it had stayed 512 with 512-token chunks, and a new prompt waited until nothing decoded)."""
+    assert EngineConfig().check().step_tokens == 512
+    assert EngineConfig(chunk_tokens=512).check().step_tokens == 512 + 64
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(0, 256, (600,), generator=g).tolist()
+    with Engine(model, None, EngineConfig(kv="int4", chunk_tokens=512, max_running=2)) as e:
+        a = e.submit(long[:40], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        e.step()
+        e.step()
+        b = e.submit(long, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        before = len(a.output_ids)
+        e.step()
+        assert b.n_cached == 512 and len(a.output_ids) == before + 1  # both in one step
 
 
 @pytest.mark.parametrize("prompt, params, match", [
@@ -474,4 +493,5 @@ def test_serve_options_reach_the_engine_config():
     p = build_parser("serve")
     cfg = engine_config(p.parse_args(["serve", "--chunk-tokens", "128", "--step-tokens", "1024"]))
     assert (cfg.chunk_tokens, cfg.step_tokens) == (128, 1024)
-    assert engine_config(p.parse_args(["serve"])).step_tokens == EngineConfig().step_tokens
+    assert engine_config(p.parse_args(["serve"])).check().step_tokens == 512
+    assert engine_config(p.parse_args(["serve", "--chunk-tokens", "512"])).check().step_tokens == 512 + 64

@@ -50,8 +50,9 @@ def add_arguments(p) -> None:
                    help="prompt tokens prefilled per request per step, interleaved with decoding (default 256)")
     p.add_argument("--step-tokens", type=T.integer(1, 2**20), default=None, metavar="N",
                    help="most tokens one step computes, decode tokens and prompt chunks together: more "
-                        "prefills faster and stalls decoding longer (at least --chunk-tokens; default "
-                        f"{_default_step_tokens()})")
+                        "prefills faster and stalls decoding longer (at least --chunk-tokens + --max-running, "
+                        f"so that a step has room for a whole chunk beside its decode tokens; default "
+                        f"{_default_step_tokens()} or that sum, whichever is more)")
     p.add_argument("--preempt", type=T.choice(PREEMPT), default="auto", metavar="|".join(PREEMPT),
                    help="when the budget is short: swap a request's blocks down the tiers (needs --offload), "
                         "recompute it later, or auto (swap when there is a tier; default)")
@@ -85,9 +86,9 @@ def _host(text: str) -> str:
 
 
 def _default_step_tokens() -> int:
-    from lessmem.serve.config import EngineConfig
+    from lessmem.serve.config import DEFAULT_STEP_TOKENS
 
-    return EngineConfig.step_tokens
+    return DEFAULT_STEP_TOKENS
 
 
 def engine_config(args):
@@ -110,17 +111,21 @@ def engine_config(args):
 
 def _in_option_words(msg: str) -> str:
     """A check message about fields (``chunk_tokens=100; allowed: ...``) in the command
-    line's words: the leading ``field=value`` dropped (OptionError says it), ``field=`` as ``--option``.
+    line's words: the leading ``field=value`` dropped (OptionError says it), ``field=`` as
+    ``--option``, a field named alone as its option.
 
     Example:
         >>> _in_option_words("preempt='swap' needs a lower tier; allowed: offload= a tier spec")
         'needs a lower tier; allowed: --offload a tier spec'
+        >>> _in_option_words("step_tokens=8; allowed: >= chunk_tokens + max_running")
+        'allowed: >= --chunk-tokens + --max-running'
     """
     import re
 
     fields = "|".join(sorted(FIELD_OPTIONS, key=len, reverse=True))
     msg = re.sub(rf"^({fields})=\S+?[;:]?(\s|$)", "", msg)
-    return re.sub(rf"\b({fields})=\s?", lambda m: FIELD_OPTIONS[m.group(1)] + " ", msg).strip()
+    msg = re.sub(rf"\b({fields})=\s?", lambda m: FIELD_OPTIONS[m.group(1)] + " ", msg)
+    return re.sub(rf"(?<![-\w])({fields})\b", lambda m: FIELD_OPTIONS[m.group(1)], msg).strip()
 
 
 def _option_named(msg: str) -> str:

@@ -44,6 +44,15 @@ def kv_config_for(kv) -> KVConfig:
     return resolve(kv)
 
 
+DEFAULT_STEP_TOKENS = 512
+
+
+def default_step_tokens(chunk_tokens: int, max_running: int) -> int:
+    """A step's token limit when none is given: 512, or room for a decode token of every
+    running request beside a whole prompt chunk when that is more."""
+    return max(DEFAULT_STEP_TOKENS, chunk_tokens + max_running)
+
+
 @dataclass
 class EngineConfig:
     """What the engine serves with (see the module doc). :meth:`check` validates and
@@ -54,7 +63,7 @@ class EngineConfig:
     offload: str | list | None = None
     max_running: int = 64
     chunk_tokens: int = 256
-    step_tokens: int = 512
+    step_tokens: int | None = None  # None: default_step_tokens(chunk_tokens, max_running)
     preempt: str = "auto"
     prefix_cache: bool = True
     batch_invariant: bool = True
@@ -76,7 +85,15 @@ class EngineConfig:
         if self.chunk_tokens % kv.block_size:
             raise ValueError(f"chunk_tokens={self.chunk_tokens}; allowed: a multiple of the KV "
                              f"config's block_size {kv.block_size}")
-        _int("step_tokens", self.step_tokens, self.chunk_tokens)
+        step = default_step_tokens(self.chunk_tokens, self.max_running) if self.step_tokens is None \
+            else self.step_tokens
+        least = self.chunk_tokens + self.max_running
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < least:
+            raise ValueError(f"step_tokens={self.step_tokens!r}; allowed: an integer >= chunk_tokens + "
+                             f"max_running = {self.chunk_tokens} + {self.max_running} = {least} (a step "
+                             "takes a decode token of every running request first, then whole prompt "
+                             "chunks: with less, no prompt is prefilled while requests decode); left "
+                             f"unset it is max({DEFAULT_STEP_TOKENS}, that sum)")
         if self.preempt not in PREEMPT:
             raise ValueError(f"preempt={self.preempt!r}; allowed: {', '.join(PREEMPT)}")
         if self.preempt == "swap" and not specs:
@@ -85,7 +102,7 @@ class EngineConfig:
         for name in ("prefix_cache", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}; allowed: True or False")
-        return replace(self, kv=kv, kv_budget=budget, offload=specs or None)
+        return replace(self, kv=kv, kv_budget=budget, offload=specs or None, step_tokens=int(step))
 
 
 @dataclass

@@ -7,7 +7,8 @@
    a new request first looks its prompt up in the prefix cache (:mod:`.prefix`);
 2. picks the step's tokens: one decode token per running request that has finished its
    prompt, and whole prompt chunks (``chunk_tokens``, always at the same aligned
-   positions) of prefilling requests, oldest first, while ``step_tokens`` allows — so a
+   positions) of prefilling requests, oldest first, while ``step_tokens`` allows (at least
+   ``chunk_tokens + max_running``: a chunk always fits beside the decode tokens) — so a
    long prompt is spread over steps and never stalls the others (chunked prefill,
    Agrawal et al., 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
    Sarathi-Serve");
