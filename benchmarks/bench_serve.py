@@ -73,7 +73,7 @@ from common import header, parser, write_result  # noqa: E402
 MODEL = "smollm2-135m"
 WIKI = HERE.parents[1] / "shared/data/wikitext-2-raw/wiki.test.raw"
 KV_CHOICES = ("fp16", "int8", "best-4", "best-2", "fp8", "int4", "int4-rot", "kivi-2", "kivi-4")
-FULL = dict(requests=16, prompt_tokens=2048, new_tokens=256, rate=2.0, shared_prefix=1536, chunk_tokens=256,
+FULL = dict(requests=16, prompt_tokens=2048, new_tokens=256, rate=2.0, shared_prefix=1536, chunk_tokens=512,
             kv="fp16,int8,best-4,best-2", offload="host@128MiB+disk", offload_kv="best-4",
             shared_kv="best-4", alone=1)
 QUICK = dict(requests=4, prompt_tokens=128, new_tokens=8, rate=20.0, shared_prefix=64, chunk_tokens=64,

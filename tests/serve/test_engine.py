@@ -427,8 +427,8 @@ def test_a_prompt_is_prefilled_while_others_decode_whatever_the_chunk(model):
     """A step takes a decode token of each running request first, then whole prompt chunks
     while ``step_tokens`` allows: unset, it leaves room for a chunk beside every decode token
     (it had stayed 512 with 512-token chunks, and a new prompt waited until nothing decoded)."""
-    assert EngineConfig().check().step_tokens == 512
-    assert EngineConfig(chunk_tokens=512).check().step_tokens == 512 + 64
+    assert EngineConfig(chunk_tokens=256).check().step_tokens == 512
+    assert EngineConfig().check().chunk_tokens == 512 and EngineConfig().check().step_tokens == 512 + 64
     g = torch.Generator().manual_seed(3)
     long = torch.randint(0, 256, (600,), generator=g).tolist()
     with Engine(model, None, EngineConfig(kv="int4", chunk_tokens=512, max_running=2)) as e:
@@ -493,5 +493,6 @@ def test_serve_options_reach_the_engine_config():
     p = build_parser("serve")
     cfg = engine_config(p.parse_args(["serve", "--chunk-tokens", "128", "--step-tokens", "1024"]))
     assert (cfg.chunk_tokens, cfg.step_tokens) == (128, 1024)
-    assert engine_config(p.parse_args(["serve"])).check().step_tokens == 512
-    assert engine_config(p.parse_args(["serve", "--chunk-tokens", "512"])).check().step_tokens == 512 + 64
+    default = engine_config(p.parse_args(["serve"])).check()
+    assert (default.chunk_tokens, default.step_tokens) == (512, 512 + 64)
+    assert engine_config(p.parse_args(["serve", "--chunk-tokens", "256"])).check().step_tokens == 512

@@ -46,8 +46,9 @@ def add_arguments(p) -> None:
                         "a disk or Redis tier keeps prefixes across restarts")
     p.add_argument("--max-running", type=T.integer(1, 4096), default=64, metavar="N",
                    help="most requests in the running batch at once (default 64)")
-    p.add_argument("--chunk-tokens", type=T.integer(1, 2**16), default=256, metavar="N",
-                   help="prompt tokens prefilled per request per step, interleaved with decoding (default 256)")
+    p.add_argument("--chunk-tokens", type=T.integer(1, 2**16), default=None, metavar="N",
+                   help="prompt tokens prefilled per request per step, interleaved with decoding, and the "
+                        f"granularity of prefix sharing (default {_default_chunk_tokens()})")
     p.add_argument("--step-tokens", type=T.integer(1, 2**20), default=None, metavar="N",
                    help="most tokens one step computes, decode tokens and prompt chunks together: more "
                         "prefills faster and stalls decoding longer (at least --chunk-tokens + --max-running, "
@@ -91,13 +92,20 @@ def _default_step_tokens() -> int:
     return DEFAULT_STEP_TOKENS
 
 
+def _default_chunk_tokens() -> int:
+    from lessmem.serve.config import EngineConfig
+
+    return EngineConfig.chunk_tokens
+
+
 def engine_config(args):
     """The checked ``EngineConfig`` of the command line; a failed check names the option."""
     from lessmem.serve import EngineConfig
 
     try:
         cfg = EngineConfig(kv=args.kv, kv_budget=args.kv_budget, offload=args.offload,
-                           max_running=args.max_running, chunk_tokens=args.chunk_tokens,
+                           max_running=args.max_running,
+                           **({} if args.chunk_tokens is None else {"chunk_tokens": args.chunk_tokens}),
                            **({} if args.step_tokens is None else {"step_tokens": args.step_tokens}),
                            preempt=args.preempt, prefix_cache=not args.no_prefix_cache)
         cfg.check()
