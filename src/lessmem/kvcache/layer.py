@@ -58,6 +58,8 @@ SEGMENT_TOKENS = 2048  # tokens per piece of a layer's history on the CPU (modul
 # it with the other trims).
 TRIM_EVERY_LAYERS = 10
 TRIM_MIN_TOKENS = 128
+
+
 def crop_to_length(tokens_to_remove, length: int) -> int:
     """The length to keep for transformers' ``crop(tokens_to_remove)`` on ``length`` tokens.
 

@@ -62,9 +62,9 @@ class EngineConfig:
     kv_budget: int | str | None = None
     offload: str | list | None = None
     max_running: int = 64
-    # 512: against 256, 16 requests of 1024 + 128 tokens under bench_serve's budget (in process,
-    # alternating runs) gave 55-57 against 47 tok/s, TTFT and TPOT p50 lower too: half as many
-    # steps, each decoding its weights once and carrying the decode rows once
+    # 512: against 256, bench_serve's best-4 row (16 requests of 1024 + 256 tokens over HTTP,
+    # serve_chunk256.json / serve_chunk512.json, same sitting) 60.8 -> 66.9 tok/s, TTFT and TPOT
+    # p50 lower too: half as many steps, each decoding the weights and carrying the decode rows once
     chunk_tokens: int = 512
     step_tokens: int | None = None  # None: default_step_tokens(chunk_tokens, max_running)
     preempt: str = "auto"
