@@ -379,7 +379,9 @@ ROWS = [
     ((*S, "--chunk-tokens", "100"), "--chunk-tokens"),  # not a multiple of best-4's block size
     ((*S, "--chunk-tokens", "1.5"), "--chunk-tokens"),
     ((*S, "--step-tokens", "0"), "--step-tokens"),
-    ((*S, "--step-tokens", "128"), "--step-tokens"),  # below --chunk-tokens (256)
+    ((*S, "--step-tokens", "128"), "--step-tokens"),  # below --chunk-tokens (512)
+    ((*S, "--step-tokens", "512"), "--step-tokens"),  # below --chunk-tokens + --max-running (576)
+    ((*S, "--kv", "int4:block_size=384"), "--chunk-tokens"),  # the default 512 is not a multiple of 384
     ((*S, "--step-tokens", "x"), "--step-tokens"),
     ((*S, "--preempt", "sometimes"), "--preempt"),
     ((*S, "--preempt", "swap"), "--preempt"),  # nothing to swap to without --offload

@@ -112,8 +112,12 @@ def engine_config(args):
     except (ValueError, TypeError) as exc:
         msg = " ".join(str(exc).split())
         option = _option_named(msg)
-        value = None if option == "--no-prefix-cache" else getattr(args, option[2:].replace("-", "_"))
-        raise T.OptionError(option, value, _in_option_words(msg)) from None
+        field = option[2:].replace("-", "_")
+        value = None if option == "--no-prefix-cache" else getattr(args, field)
+        words = _in_option_words(msg)
+        if value is None and field == "chunk_tokens":  # unset: say which value the check refused
+            words = f"(unset: {EngineConfig.chunk_tokens}) {words}"
+        raise T.OptionError(option, value, words) from None
     return cfg
 
 
