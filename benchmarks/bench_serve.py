@@ -780,6 +780,7 @@ def main(argv=None) -> int:
 
     import lessmem
     from lessmem.serve import EngineConfig
+    from lessmem.serve.config import default_step_tokens
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -801,7 +802,7 @@ def main(argv=None) -> int:
                requests=n, prompt_tokens=P, new_tokens=G, rate_per_s=args.rate, seed=args.seed,
                server_threads=args.threads if args.server_threads is None else (args.server_threads or "default"),
                shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens,
-               step_tokens=EngineConfig(chunk_tokens=args.chunk_tokens, step_tokens=args.step_tokens).check().step_tokens,
+               step_tokens=args.step_tokens or default_step_tokens(args.chunk_tokens, EngineConfig.max_running),
                fit_fp16_requests=args.fit,
                fp16_kv_bytes_per_token=bpt, kv_budget_bytes=budget,
                driver="in-process Engine" if args.inprocess else "HTTP (openai AsyncOpenAI, streaming)",
