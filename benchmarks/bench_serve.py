@@ -716,14 +716,12 @@ def _check_args(args) -> None:
     bad = [k for k in args.kv + args.offload_kv + args.shared_kv if k not in KV_CHOICES]
     if bad:
         raise SystemExit(f"--kv {','.join(bad)}: unknown; allowed: {', '.join(KV_CHOICES)}")
-    if args.step_tokens is not None:  # the engine's own rule, before the model loads
-        from lessmem.serve.config import EngineConfig
+    from lessmem.serve.config import EngineConfig, step_tokens_for
 
-        try:
-            # (int4's 32-token block is the smallest of KV_CHOICES': only the step rule can fail here)
-            EngineConfig(kv="int4", chunk_tokens=args.chunk_tokens, step_tokens=args.step_tokens).check()
-        except ValueError as e:
-            raise SystemExit(f"--step-tokens = {args.step_tokens}: {e}") from None
+    try:  # the engine's own rule, before the model loads
+        args.step_limit = step_tokens_for(args.chunk_tokens, EngineConfig.max_running, args.step_tokens)
+    except ValueError as e:
+        raise SystemExit(f"--step-tokens = {args.step_tokens}: {e}") from None
     if args.alone > args.requests:
         raise SystemExit(f"--alone = {args.alone}: at most --requests = {args.requests}")
 
@@ -779,8 +777,6 @@ def main(argv=None) -> int:
     import torch
 
     import lessmem
-    from lessmem.serve import EngineConfig
-    from lessmem.serve.config import default_step_tokens
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -802,8 +798,7 @@ def main(argv=None) -> int:
                requests=n, prompt_tokens=P, new_tokens=G, rate_per_s=args.rate, seed=args.seed,
                server_threads=args.threads if args.server_threads is None else (args.server_threads or "default"),
                shared_prefix_tokens=args.shared_prefix, chunk_tokens=args.chunk_tokens,
-               step_tokens=args.step_tokens or default_step_tokens(args.chunk_tokens, EngineConfig.max_running),
-               fit_fp16_requests=args.fit,
+               step_tokens=args.step_limit, fit_fp16_requests=args.fit,
                fp16_kv_bytes_per_token=bpt, kv_budget_bytes=budget,
                driver="in-process Engine" if args.inprocess else "HTTP (openai AsyncOpenAI, streaming)",
                scaled_from=None if args.quick else

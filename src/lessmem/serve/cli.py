@@ -115,8 +115,9 @@ def engine_config(args):
         field = option[2:].replace("-", "_")
         value = None if option == "--no-prefix-cache" else getattr(args, field)
         words = _in_option_words(msg)
-        if value is None and field == "chunk_tokens":  # unset: say which value the check refused
-            words = f"(unset: {EngineConfig.chunk_tokens}) {words}"
+        default = getattr(EngineConfig, field, None)
+        if value is None and default is not None:  # left unset: say which value the check refused
+            words = f"(unset: {default}) {words}"
         raise T.OptionError(option, value, words) from None
     return cfg
 

@@ -47,10 +47,21 @@ def kv_config_for(kv) -> KVConfig:
 DEFAULT_STEP_TOKENS = 512
 
 
-def default_step_tokens(chunk_tokens: int, max_running: int) -> int:
-    """A step's token limit when none is given: 512, or room for a decode token of every
-    running request beside a whole prompt chunk when that is more."""
-    return max(DEFAULT_STEP_TOKENS, chunk_tokens + max_running)
+def step_tokens_for(chunk_tokens: int, max_running: int, step_tokens=None) -> int:
+    """A step's token limit: ``step_tokens`` checked (at least ``chunk_tokens + max_running``:
+    a step takes a decode token of every running request first, then whole prompt chunks),
+    or unset, 512 or that sum when it is more. ValueError naming the rule otherwise."""
+    least = chunk_tokens + max_running
+    if step_tokens is None:
+        return max(DEFAULT_STEP_TOKENS, least)
+    try:
+        return _int("step_tokens", step_tokens, least)
+    except ValueError:
+        raise ValueError(f"step_tokens={step_tokens!r}; allowed: an integer >= chunk_tokens + max_running = "
+                         f"{chunk_tokens} + {max_running} = {least} (a step takes a decode token of every "
+                         "running request first, then whole prompt chunks: with less, no prompt is "
+                         f"prefilled while requests decode); left unset it is max({DEFAULT_STEP_TOKENS}, "
+                         "that sum)") from None
 
 
 @dataclass
@@ -66,7 +77,7 @@ class EngineConfig:
     # serve_chunk256.json / serve_chunk512.json, same sitting) 60.8 -> 66.9 tok/s, TTFT and TPOT
     # p50 lower too: half as many steps, each decoding the weights and carrying the decode rows once
     chunk_tokens: int = 512
-    step_tokens: int | None = None  # None: default_step_tokens(chunk_tokens, max_running)
+    step_tokens: int | None = None  # None: step_tokens_for(chunk_tokens, max_running)
     preempt: str = "auto"
     prefix_cache: bool = True
     batch_invariant: bool = True
@@ -88,15 +99,7 @@ class EngineConfig:
         if self.chunk_tokens % kv.block_size:
             raise ValueError(f"chunk_tokens={self.chunk_tokens}; allowed: a multiple of the KV "
                              f"config's block_size {kv.block_size}")
-        step = default_step_tokens(self.chunk_tokens, self.max_running) if self.step_tokens is None \
-            else self.step_tokens
-        least = self.chunk_tokens + self.max_running
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < least:
-            raise ValueError(f"step_tokens={self.step_tokens!r}; allowed: an integer >= chunk_tokens + "
-                             f"max_running = {self.chunk_tokens} + {self.max_running} = {least} (a step "
-                             "takes a decode token of every running request first, then whole prompt "
-                             "chunks: with less, no prompt is prefilled while requests decode); left "
-                             f"unset it is max({DEFAULT_STEP_TOKENS}, that sum)")
+        step = step_tokens_for(self.chunk_tokens, self.max_running, self.step_tokens)
         if self.preempt not in PREEMPT:
             raise ValueError(f"preempt={self.preempt!r}; allowed: {', '.join(PREEMPT)}")
         if self.preempt == "swap" and not specs:
@@ -105,7 +108,7 @@ class EngineConfig:
         for name in ("prefix_cache", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}; allowed: True or False")
-        return replace(self, kv=kv, kv_budget=budget, offload=specs or None, step_tokens=int(step))
+        return replace(self, kv=kv, kv_budget=budget, offload=specs or None, step_tokens=step)
 
 
 @dataclass
