@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base.cpu import trim_heap
+from .kvcache.layer import append_rows
 from .kvcache.view import attend_rows
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -483,8 +484,7 @@ class LeanDecode:
         out = attend_rows(first, q.reshape(B, Hq, D), scale, hists, pieces)
         if out is None:
             return None
-        for layer, kb, vb in zip(layers, ks, vs, strict=True):
-            layer._append(kb, vb)
+        append_rows(layers, k, v)  # (each token to its own layer, as _append; in one call where it can)
         return out.view(B, Hq, 1, D).to(q.dtype)
 
 

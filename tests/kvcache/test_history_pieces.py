@@ -87,6 +87,59 @@ def test_window_is_written_in_place_without_touching_earlier_views():
     assert torch.equal(ref.layers[0].window[0], layer.window[0])
 
 
+
+def _layer_state(layer) -> list[torch.Tensor]:
+    return [*layer.sinks, *layer.window, *(t for p in layer._pieces for t in p.values())]
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+def test_rows_appended_together_equal_one_at_a_time(monkeypatch, cpp):
+    """``append_rows`` (a serving step's decode rows: one token into each request's layer)
+    leaves every layer as ``_append`` one row at a time does, bit for bit, step after step:
+    tokens written into their buffer's room (one C++ call), and those that take a sink,
+    outgrow their buffer or flush a block (``_append``); fp16, bf16 and fp32 windows; rows
+    that do not lie contiguously in k (v a view of a wider tensor, as the step's fused
+    projection hands it)."""
+    import copy
+
+    from lessmem.kvcache import codec
+    from lessmem.kvcache.layer import append_rows
+
+    if not cpp:
+        monkeypatch.setattr(codec, "_affine_cpp", lambda: None)
+    elif codec._affine_cpp() is None:
+        pytest.skip("no C++ compiler")
+    torch.manual_seed(0)
+    config = tiny_random("llama").config
+    specs = ["best-4:window=16", "int4:sinks=4:window=8", "int8:window=16:window_dtype=bf16",
+             "int4:window=16:window_dtype=fp32", "best-4:window=16"]
+    H, D = config.num_key_value_heads, config.head_dim
+    layers = []
+    for i, spec in enumerate(specs):
+        cache = KVCache(config, resolve(spec))
+        n = [1, 2, 37, 15, 64][i]  # sinks not yet full, a buffer about to fill, a block about to flush
+        cache.update(torch.randn(1, H, n, D), torch.randn(1, H, n, D), 0)
+        layers.append(cache.layers[0])
+    ref = copy.deepcopy(layers)
+    views = [layer.window for layer in layers]
+    held = [[t.clone() for t in w] for w in views]
+    R = len(layers)
+    for _ in range(100):
+        y = torch.randn(R, 1, 3 * H * D)
+        k = y[..., :H * D].contiguous().view(R, H, 1, D)
+        v = y[..., 2 * H * D:].view(R, H, 1, D)  # not contiguous: a view of the projection
+        append_rows(layers, k, v)
+        for b, layer in enumerate(ref):
+            layer._append(k[b:b + 1], v[b:b + 1])
+        for got, want in zip(layers, ref, strict=True):
+            assert got.length == want.length and got.n_history == want.n_history
+            assert all(torch.equal(a, b) and a.dtype == b.dtype
+                       for a, b in zip(_layer_state(got), _layer_state(want), strict=True))
+            assert got.window_held()[0].shape == want.window_held()[0].shape
+    assert all(layer.n_history for layer in layers)  # every row flushed blocks on the way
+    assert all(torch.equal(a, b) for w, h in zip(views, held, strict=True) for a, b in zip(w, h, strict=True))
+
+
 def test_long_prefill_chunks_trim_the_heap_every_few_layers(monkeypatch):
     # between layers of a long prefill chunk the heap's free pages go back to the OS (the
     # chunk's peak RSS grew with depth); not for short chunks or decode rows (a trim is ~3 ms)

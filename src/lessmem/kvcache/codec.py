@@ -73,11 +73,13 @@ def _affine(xg, spec: KVTensorConfig, lay: KVLayout):
 
 
 def _affine_cpp():
-    """``kernels/csrc/kv_encode.cpp``'s ``affine_codes`` (its scales float16, as
-    ``KVLayout.SCALE_DTYPE``), or None without a compiler: the torch twin then runs."""
+    """``kernels/csrc/kv_encode.cpp``'s module: ``affine_codes`` (its scales float16, as
+    ``KVLayout.SCALE_DTYPE``) and ``write_rows`` (``layer.append_rows``), or None without a
+    compiler: the torch twins then run."""
     from ..kernels._build import load_cpp_file
 
-    return load_cpp_file("lessmem_kv_encode", "kv_encode.cpp", ["affine_codes"], ["-ffp-contract=off"])
+    return load_cpp_file("lessmem_kv_encode", "kv_encode.cpp", ["affine_codes", "write_rows"],
+                         ["-ffp-contract=off"])
 
 
 def _affine_channels(xg, spec: KVTensorConfig, lay: KVLayout):

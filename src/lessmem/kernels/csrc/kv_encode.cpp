@@ -5,6 +5,7 @@
 // asymmetric format; round half to even), so the codes, scales and zero points are equal bit
 // for bit to the torch path's (tested), without its dozen tensor passes.
 #include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
@@ -81,4 +82,58 @@ std::vector<torch::Tensor> affine_codes(torch::Tensor xg, int64_t bits, bool sym
     }
   }
   return {codes, scale, zp};
+}
+
+// One decode token per cache layer written into the room after its window (a serving step's
+// appends, kvcache.layer.append_rows): token b of k / v (float32 [B, H, 1, D], rows of D
+// contiguous) goes to position at[b] of dk[b] / dv[b] ([1, H, capacity, D] buffers, float32,
+// float16 or bfloat16, rows of D contiguous), converted as Tensor.copy_ converts (round to
+// nearest even). One call where the step made two views and two copy_ calls a layer and row.
+namespace {
+template <typename T>
+void put_row(const float* src, int64_t src_h, uint8_t* dst, int64_t H, int64_t D, int64_t sh, int64_t st,
+             int64_t at) {
+  for (int64_t h = 0; h < H; ++h) {
+    T* d = reinterpret_cast<T*>(dst) + h * sh + at * st;
+    const float* s = src + h * src_h;
+    for (int64_t i = 0; i < D; ++i) d[i] = static_cast<T>(s[i]);
+  }
+}
+
+void put(const torch::Tensor& buf, const float* src, int64_t src_h, int64_t at) {
+  const int64_t H = buf.size(1), D = buf.size(3), sh = buf.stride(1), st = buf.stride(2);
+  auto* dst = static_cast<uint8_t*>(buf.data_ptr());
+  switch (buf.scalar_type()) {
+    case torch::kFloat32: put_row<float>(src, src_h, dst, H, D, sh, st, at); break;
+    case torch::kFloat16: put_row<c10::Half>(src, src_h, dst, H, D, sh, st, at); break;
+    default: put_row<c10::BFloat16>(src, src_h, dst, H, D, sh, st, at); break;
+  }
+}
+}  // namespace
+
+void write_rows(std::vector<torch::Tensor> dk, std::vector<torch::Tensor> dv, std::vector<int64_t> at,
+                torch::Tensor k, torch::Tensor v) {
+  LM_CHECK_VALUE(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 && k.dim() == 4
+                 && k.sizes() == v.sizes() && k.size(2) == 1 && k.is_cpu() && v.is_cpu() && k.stride(3) == 1
+                 && v.stride(3) == 1, "write_rows: k and v must be float32 [B, H, 1, D] on the CPU with rows of "
+                 "D contiguous");
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(3);
+  LM_CHECK_VALUE((int64_t)dk.size() == B && (int64_t)dv.size() == B && (int64_t)at.size() == B,
+                 "write_rows: one key buffer, value buffer and position per row of k");
+  for (int64_t b = 0; b < B; ++b) {
+    for (const auto* t : {&dk[b], &dv[b]}) {
+      const auto st = t->scalar_type();
+      LM_CHECK_VALUE(t->is_cpu() && t->dim() == 4 && t->size(0) == 1 && t->size(1) == H && t->size(3) == D
+                     && t->stride(3) == 1 && at[b] >= 0 && at[b] < t->size(2)
+                     && (st == torch::kFloat32 || st == torch::kFloat16 || st == torch::kBFloat16),
+                     "write_rows: buffer ", b, " must be a CPU float32/float16/bfloat16 [1, H, capacity, D] "
+                     "with rows of D contiguous and position ", at[b], " inside it");
+    }
+  }
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    put(dk[b], kp + b * k.stride(0), k.stride(1), at[b]);
+    put(dv[b], vp + b * v.stride(0), v.stride(1), at[b]);
+  }
 }
