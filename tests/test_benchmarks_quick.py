@@ -511,6 +511,8 @@ RECORDED = {  # recorded full-run result -> its benchmark
     # --prompts 1024,4096 --chunk 256, lessmem DynamicCache and best-4: prompts in float32 (6db7b66)
     "e2e_prefill_fp32.json": "bench_e2e.py",
     "e2e_prefill_bf16.json": "bench_e2e.py",  # and in bf16 on AMX-BF16 (935b5d9), same sitting
+    "e2e_prefill_avx512bf16_before.json": "bench_e2e.py",  # AVX512-BF16 without AMX: float32 prompts,
+    "e2e_prefill_avx512bf16_after.json": "bench_e2e.py",  # then bf16 ones, same sitting
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     # --int8-activations --batch 1,4,16 --repeat 200: the 512-bit Q4_0/Q4_1 kernel, and the commit before it

@@ -199,7 +199,8 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
     ``GGUFLinear`` with a fused kernel, the embedding decoded per looked-up row, a tied
     ``lm_head`` over the same blocks), for the architectures of ``gguf_load.ARCHS``;
     decode steps multiply Q4_0/Q4_1/Q8_0 blocks with int8 activations, as llama.cpp does, and
-    prompts in bfloat16 on CPUs with AMX-BF16 (``weights.gguf_linear.BF16_PROMPT_ROWS``;
+    prompts in bfloat16 on CPUs with AMX-BF16 or AVX512-BF16
+    (``weights.gguf_linear.BF16_PROMPT_ROWS``;
     ``weights.gguf_linear.set_int8_activations(model, False)`` keeps both float32);
     ``weights="float"`` has transformers dequantize them to ``dtype`` (what re-quantizing
     with ``lessmem.quantize_`` needs). Other sources hold what they store either way.

@@ -306,7 +306,7 @@ def test_q8_bad_inputs_and_module_switch():
     assert not torch.equal(exact, approx)
     assert torch.allclose(approx.double(), (_q8_reference(x, q.qweight, "q4_1", 8) + q.bias.double()), atol=1e-5)
     x20 = torch.randn(20, 256)  # more than FUSED_MAX_ROWS rows (prefill): BLAS, float32 activations
-    w = q.dequantized_weight()  # or bf16 ones where the CPU has AMX-BF16 (gguf_linear.BF16_PROMPT_ROWS)
+    w = q.dequantized_weight()  # or bf16 ones where the CPU multiplies bf16 (gguf_linear.BF16_PROMPT_ROWS)
     from lessmem.weights.gguf_linear import BF16_PROMPT_ROWS
     want = (torch.nn.functional.linear(x20.bfloat16(), w.bfloat16()).float() + q.bias if BF16_PROMPT_ROWS
             else torch.nn.functional.linear(x20, w, q.bias))

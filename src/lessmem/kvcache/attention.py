@@ -39,7 +39,7 @@ NAME = "lessmem"
 
 def _prompt_bf16(module, query) -> bool:
     """A prompt chunk on the CPU of a layer whose linears multiply prompts in bfloat16
-    (``GGUFLinear.bf16_prompt_rows``: reduced-precision activations on AMX-BF16)."""
+    (``GGUFLinear.bf16_prompt_rows``: reduced-precision activations on a CPU with bf16 dot products)."""
     if query.shape[-2] < BF16_MIN_ROWS or query.dtype != torch.float32 or query.device.type != "cpu":
         return False
     return bool(getattr(getattr(module, "o_proj", None), "bf16_prompt_rows", False))

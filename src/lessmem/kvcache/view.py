@@ -34,9 +34,10 @@ from ..kernels.attention import (
 )
 
 # Set by lessmem_attention (kvcache.attention) while a prompt chunk of a layer with reduced-
-# precision activations attends on a CPU with AMX-BF16: the full-precision attention calls
-# below then take bfloat16 copies of q, k and v (oneDNN's AMX kernels; the softmax, its
-# log-sum-exp and the merges stay float32). Decode rows never see it.
+# precision activations attends on a CPU with bf16 dot products (AMX-BF16 or AVX512-BF16):
+# the full-precision attention calls below then take bfloat16 copies of q, k and v (oneDNN's
+# bf16 kernels; the softmax, its log-sum-exp and the merges stay float32). Decode rows never
+# see it.
 PROMPT_BF16: contextvars.ContextVar = contextvars.ContextVar("lessmem_prompt_bf16", default=False)
 BF16_MIN_ROWS = 17  # query rows (per KV head) below which attention stays float32
 

@@ -56,23 +56,28 @@ _DEQUANT = torch.ops.lessmem.gguf_dequantize.default
 DECODE_WEIGHTS_MAX = 1 << 22  # prefill decodes at most this many weights (16 MB of floats) at once
 
 
-def _has_amx_bf16() -> bool:
+def _has_bf16_dot() -> bool:
+    """The CPU multiplies bfloat16 in hardware: AMX-BF16 tiles or AVX512-BF16 dot products."""
     try:
-        return bool(torch._C._cpu._get_cpu_capability().get("amx_bf16"))
+        cap = torch._C._cpu._get_cpu_capability()
     except (AttributeError, RuntimeError):  # another torch: keep float32
         return False
+    return bool(cap.get("amx_bf16") or cap.get("avx512_bf16"))
 
 
 # Prompt rows (more than FUSED_MAX_ROWS) of a layer with int8_activations multiply bfloat16
-# copies of x and of the decoded weight where the CPU has AMX-BF16 (oneDNN's tile kernels;
-# float32 sums, bf16 products out), and that layer's prompt attention takes bf16 q, k, v
-# (kvcache.attention): the reduced-precision activations llama.cpp also uses for prompts (it
-# rounds them to int8, its KV to f16). The evaluation switches int8 activations off, and with
-# them this. bench_e2e on the built-in model, a two-core Sapphire Rapids class Xeon, chunks of
-# 256 (e2e_prefill_fp32.json -> e2e_prefill_bf16.json, fresh processes): 4096-token prompt
-# 11.7 -> 8.4 s (DynamicCache), 12.0 -> 9.1 s (best-4); 1024 tokens 1.78 -> 1.72, 2.21 -> 2.10 s
-# (oneDNN's first-call set-up included). Elsewhere float32, as without the flag.
-BF16_PROMPT_ROWS = _has_amx_bf16()
+# copies of x and of the decoded weight where the CPU multiplies bfloat16 in hardware
+# (AMX-BF16 or AVX512-BF16: oneDNN's kernels; float32 sums, bf16 products out), and that
+# layer's prompt attention takes bf16 q, k, v (kvcache.attention): the reduced-precision
+# activations llama.cpp also uses for prompts (it rounds them to int8, its KV to f16). The
+# evaluation switches int8 activations off, and with them this. bench_e2e on the built-in
+# model, a two-core Sapphire Rapids class Xeon (AMX), chunks of 256 (e2e_prefill_fp32.json ->
+# e2e_prefill_bf16.json, fresh processes): 4096-token prompt 11.7 -> 8.4 s (DynamicCache),
+# 12.0 -> 9.1 s (best-4). On a two-core AMD EPYC with AVX512-BF16 and no AMX, [512, 576] x
+# [576, 1536] takes 4.5 ms in float32 and 1.0 ms in bfloat16 (3.5-4.3x at 17-1024 rows), and
+# a serving chunk step of 512 prompt tokens beside 8-11 decode rows ~1.05 -> ~0.7 s; the
+# prompt attention is not slower in bf16 there. Elsewhere float32, as without the flag.
+BF16_PROMPT_ROWS = _has_bf16_dot()
 
 
 class GGUFLinear(nn.Module):
@@ -89,8 +94,9 @@ class GGUFLinear(nn.Module):
         weight are quantized to int8 per block of 32 and multiplied with integer dot products
         (``kernels.gguf_linear_cpp.gguf_linear_q8``, what llama.cpp does; ~1.5-2x faster, the
         outputs move by ~0.5% of their range); other types ignore it. Prompt rows (more than
-        ``FUSED_MAX_ROWS``) of any type then multiply in bfloat16 where the CPU has AMX-BF16
-        (``BF16_PROMPT_ROWS``); elsewhere, and with the flag off, in float32."""
+        ``FUSED_MAX_ROWS``) of any type then multiply in bfloat16 where the CPU multiplies
+        bfloat16 in hardware (``BF16_PROMPT_ROWS``: AMX-BF16 or AVX512-BF16); elsewhere, and
+        with the flag off, in float32."""
         super().__init__()
         if not isinstance(int8_activations, bool):
             raise ValueError(f"GGUFLinear int8_activations={int8_activations!r} must be True or False")
@@ -207,8 +213,9 @@ class GGUFLinear(nn.Module):
 
     @property
     def bf16_prompt_rows(self) -> bool:
-        """Prompt rows multiply in bfloat16 (``int8_activations`` on a CPU with AMX-BF16); the
-        attention of the layer this projects for follows it (``kvcache.attention``)."""
+        """Prompt rows multiply in bfloat16 (``int8_activations`` on a CPU with bfloat16 dot
+        products, ``BF16_PROMPT_ROWS``); the attention of the layer this projects for follows
+        it (``kvcache.attention``)."""
         return self.int8_activations and BF16_PROMPT_ROWS
 
     def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -225,7 +232,7 @@ class GGUFLinear(nn.Module):
     def _decoded_matmul(self, x: torch.Tensor, bias, out: torch.Tensor | None = None) -> torch.Tensor:
         """Many rows: decode the weight and use BLAS, ``DECODE_WEIGHTS_MAX`` weights of it at a
         time, so a large matrix (a 49k-row tied ``lm_head``) is never held whole as floats.
-        With ``int8_activations`` on a CPU with AMX-BF16, x and the decoded rows are rounded
+        With ``int8_activations`` where ``BF16_PROMPT_ROWS``, x and the decoded rows are rounded
         to bfloat16 for the product (``bf16_prompt_rows``). ``out``: a float32 tensor (x is
         float32) the outputs are written to (``forward_into``)."""
         bf16 = self.bf16_prompt_rows and x.device.type == "cpu"
