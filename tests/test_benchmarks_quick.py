@@ -547,6 +547,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "serve_window_before.json": "bench_serve.py",  # the same at 353465c (window buffer of window + block)
     "serve_chunk256.json": "bench_serve.py",  # the same at 33e6213 with --chunk-tokens 256 (the old default)
     "serve_chunk512.json": "bench_serve.py",  # ... and 512 (the new default), same sitting
+    "serve_epyc.json": "bench_serve.py",  # serve.json's command on a two-core AMD EPYC (no AMX)
     "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
     "gpu.json": "bench_gpu.py",  # the H200 run of 2026-12-04
 }
