@@ -221,6 +221,41 @@ def test_segmented_history_converts_odd_parts_in_the_kernel():
     assert torch.equal(quantized_attention(q, segs2)[0], quantized_attention(q, kv)[0])
 
 
+
+def test_pointer_table_entries_are_remembered_on_stored_parts():
+    # a serving layer's history is made anew over the same pages each time a page is added: each
+    # page's entries of the kernel's pointer table are kept on its codes tensor and reused; a part
+    # the kernel reads through a converted copy (fp32 scales) is converted again every time
+    from lessmem.kernels import attention as A
+
+    if not cpp_available():
+        pytest.skip("no C++ compiler: the pointer table is the C++ kernel's")
+    g = torch.Generator().manual_seed(9)
+    kv = QuantKV(_side(g, 1, 2, 192, 64, 4, 32, 1, "zp"), _side(g, 1, 2, 192, 64, 4, 1, 64, "zp"))
+
+    def pages(side):
+        return [tuple(t.contiguous() for t in (p.codes, p.scale, p.zero_point))
+                for p in (side.slice_tokens(a, a + 64) for a in (0, 64, 128))]
+    pk, pv = pages(kv.keys), pages(kv.values)
+
+    def hist(n, k_parts=pk):
+        return A.SegmentedKV(kv.keys, kv.values, tuple(k_parts[:n]), tuple(pv[:n]), 64)
+    A._kernel_table(hist(2))
+    assert all("_lessmem_segment" in c.__dict__ for c, _, _ in pk[:2] + pv[:2])
+    table = A._kernel_table(hist(3))
+    for c, _, _ in pk + pv:
+        c.__dict__.pop("_lessmem_segment")
+    assert torch.equal(table, A._kernel_table(hist(3)))  # the same entries made afresh
+    q = torch.randn(1, 4, 64, generator=g).repeat(2, 1, 1)  # two rows over the same history
+    cur = [(torch.randn(1, 2, 3, 64, generator=g), torch.randn(1, 2, 3, 64, generator=g))]
+    want = A.fused_attention_rows(q[:1], 0.125, None, None, [kv], [cur])
+    got = A.fused_attention_rows(q, 0.125, None, None, [hist(3), hist(3)], [cur, cur])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[0])
+    odd = [(pk[0][0].clone(), pk[0][1].float(), pk[0][2]), *pk[1:]]
+    got = A.fused_attention_rows(q[:1], 0.125, None, None, [hist(3, odd)], [cur])
+    assert "_lessmem_segment" not in odd[0][0].__dict__ and torch.equal(got, want)
+
+
 def test_segmented_history_rejects_uneven_parts():
     g = torch.Generator().manual_seed(3)
     kv = QuantKV(_side(g, 1, 1, 96, 64, 4, 32, 1, "zp"), _side(g, 1, 1, 96, 64, 4, 1, 64, "zp"))
