@@ -160,7 +160,8 @@ def test_prefill_decodes_a_large_weight_in_slices(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_prompt_rows_with_reduced_precision_activations_multiply_in_bf16(monkeypatch, bias):
     """Prompt rows (more than FUSED_MAX_ROWS) of a layer with int8_activations multiply bf16
-    copies of x and the decoded weight where BF16_PROMPT_ROWS (AMX-BF16 or AVX512-BF16); float32 otherwise."""
+    copies of x and the decoded weight where BF16_PROMPT_ROWS (AMX-BF16 or AVX512-BF16);
+    float32 otherwise."""
     gl = gguf_linear
     torch.manual_seed(0)
     lin = nn.Linear(256, 96, bias=bias)
