@@ -1,9 +1,9 @@
 """Prompt chunks attend in bfloat16 where the layer's linears multiply prompts in bfloat16.
 
 ``GGUFLinear.bf16_prompt_rows`` (int8 activations on a CPU with AMX-BF16 or AVX512-BF16)
-makes a prompt chunk's linears multiply bf16 copies; ``lessmem_attention`` then gives that chunk's attention
-bf16 q, k and v too (``view.PROMPT_BF16``), with a DynamicCache and over a quantized cache's
-history alike. Decode rows, models without the flag and the evaluation (which switches int8
+makes a prompt chunk's linears multiply bf16 copies; ``lessmem_attention`` then gives that
+chunk's attention bf16 q, k and v too (``view.PROMPT_BF16``), with a DynamicCache and over a
+quantized cache's history alike. Decode rows, models without the flag and the evaluation (which switches int8
 activations off) keep float32. ``BF16_PROMPT_ROWS`` is patched on so this runs on any CPU.
 """
 
