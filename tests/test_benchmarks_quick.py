@@ -509,6 +509,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e_rss_kinds.json": "bench_e2e.py",  # lessmem rows with the RSS by kind, 512/4096/8192
     "e2e_512_avx512.json": "bench_e2e.py",  # 512 tokens, every row, a two-core Xeon with AVX-512/AMX (36b5de7+)
     "e2e_512_epyc.json": "bench_e2e.py",  # the same on a two-core AMD EPYC (AVX512-BF16, no AMX)
+    "e2e_long_epyc.json": "bench_e2e.py",  # 4096 and 16384 tokens there, llama.cpp f16 and the lessmem rows
     # --prompts 1024,4096 --chunk 256, lessmem DynamicCache and best-4: prompts in float32 (6db7b66)
     "e2e_prefill_fp32.json": "bench_e2e.py",
     "e2e_prefill_bf16.json": "bench_e2e.py",  # and in bf16 on AMX-BF16 (935b5d9), same sitting
