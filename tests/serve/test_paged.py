@@ -68,3 +68,34 @@ def test_a_staged_history_is_kept_only_from_a_memory_tier(tier, tmp_path):
         assert (layer._hist is not None) == (tier == "host")
         page.staged = None
     assert (seen[0] is seen[1]) == (tier == "host")
+
+
+def test_stage_all_stages_lower_tier_pages_and_stops_at_a_lost_one():
+    """``PagePool.stage_all`` (the engine's per-request staging) reads every lower-tier page of
+    a cache as ``stage`` does, leaves device pages alone, and answers False at the first page
+    its tier no longer has."""
+    from lessmem.offload import HostTier
+
+    model = tiny_random("llama")
+    pool = PagePool()
+    cache = PagedKVCache(model.config, "int4", pool)
+    cfg, g = model.config, torch.Generator().manual_seed(0)
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    for i in range(2):
+        k = torch.randn(1, heads, 300, dim, generator=g)
+        cache.update(k, k.clone(), i)
+    pages = cache.pages()
+    assert isinstance(pages, list) and len(pages) >= 4
+    host = HostTier(capacity=None)
+    parts = {}
+    for i, page in enumerate(pages[1:]):
+        parts[page.id] = dict(page.parts)
+        assert pool.demote(page, host, f"p{i}")
+    assert pool.stage_all(pages)
+    assert pages[0].staged is None and pages[0].on_device
+    for page in pages[1:]:
+        assert all(torch.equal(page.staged[n], t) for n, t in parts[page.id].items())
+        page.staged = None
+    host.delete("p1")  # pages[2] is lost: staging stops there
+    assert not pool.stage_all(pages)
+    assert pages[1].staged is not None and pages[2].staged is None and pages[3].staged is None

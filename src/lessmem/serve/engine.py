@@ -522,7 +522,7 @@ class Engine:
         keep = []
         for item in batch:
             r = item[0]
-            if all(self.pool.stage(p) for p in r.cache.pages()):
+            if self.pool.stage_all(r.cache.pages()):
                 keep.append(item)
             else:
                 warnings.warn(f"{r.id}: a KV page was lost from the lower tier; recomputing it",
