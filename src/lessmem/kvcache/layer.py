@@ -39,6 +39,7 @@ from ..base.cpu import trim_heap
 from ..base.placement import window_capacity
 from ..formats.permutation import channel_permutation
 from ..kernels.attention import QuantKV, QuantSide, SegmentedKV
+from . import codec
 from .block import KVBlock
 from .codec import kv_layout
 from .config import KVConfig, KVTensorConfig
@@ -496,11 +497,9 @@ def append_rows(layers: list, k: torch.Tensor, v: torch.Tensor) -> None:
     (``decode.LeanDecode._rows_attend``), where each row of each layer had made two views
     and two ``copy_`` calls: 12 rows and 30 layers at ~300 tokens, 5.9-6.1 ms a step of
     appends before, 4.2 ms after (the flushes' block encodes included in both)."""
-    from .codec import _affine_cpp
-
     cpu = (k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
            and k.stride(3) == 1 and v.stride(3) == 1)
-    mod = _affine_cpp() if cpu else None
+    mod = codec._affine_cpp() if cpu else None
     fast, rest = [], []
     for b, layer in enumerate(layers):
         w, buf, cfg = layer.window, layer._wbuf, layer.config

@@ -139,12 +139,9 @@ class PagePool:
 
     def stage(self, page: Page) -> bool:
         """Read a lower-tier page for the coming step (``page.staged``); False when lost."""
-        if page.on_device or page.staged is not None:
-            return True
-        page.staged = self._read(page)
-        return page.staged is not None
+        return self.stage_all((page,))
 
-    def stage_all(self, pages: list[Page]) -> bool:
+    def stage_all(self, pages) -> bool:
         """``stage`` each of ``pages`` in turn, stopping at the first one lost (False): one loop
         without a call per page on the device (a serving step walks every page of every
         request, ~7000 for 16 requests of 1k tokens, most of them on the device)."""
@@ -381,8 +378,8 @@ class PagedKVCache(KVCache):
         return sum(layer.fp_bytes() for layer in self.paged_layers())
 
     def pages(self) -> list[Page]:
-        """Every page of every layer, in layer order (a list: a tiered step walks them twice)."""
-        return [p for layer in self.layers if isinstance(layer, PagedKVLayer) for p in layer.pages]
+        """Every page of every layer, in layer order."""
+        return [p for layer in self.paged_layers() for p in layer.pages]
 
     def snapshot(self) -> list[dict]:
         return [layer.snapshot() for layer in self.paged_layers()]
