@@ -73,10 +73,10 @@ def _has_bf16_dot() -> bool:
 # evaluation switches int8 activations off, and with them this. bench_e2e on the built-in
 # model, a two-core Sapphire Rapids class Xeon (AMX), chunks of 256 (e2e_prefill_fp32.json ->
 # e2e_prefill_bf16.json, fresh processes): 4096-token prompt 11.7 -> 8.4 s (DynamicCache),
-# 12.0 -> 9.1 s (best-4). On a two-core AMD EPYC with AVX512-BF16 and no AMX, [512, 576] x
-# [576, 1536] takes 4.5 ms in float32 and 1.0 ms in bfloat16 (3.5-4.3x at 17-1024 rows), and
-# a serving chunk step of 512 prompt tokens beside 8-11 decode rows ~1.05 -> ~0.7 s; the
-# prompt attention is not slower in bf16 there. Elsewhere float32, as without the flag.
+# 12.0 -> 9.1 s (best-4). On a two-core AMD EPYC with AVX512-BF16 and no AMX, chunks of 512
+# (e2e_prefill_avx512bf16_before.json -> _after.json, same sitting): 1024 tokens 2.5 -> 1.2 s
+# (DynamicCache), 2.3 -> 1.3 s (best-4); 4096 tokens 12.1 -> 8.2 s, 12.2 -> 9.0 s. Elsewhere
+# float32, as without the flag.
 BF16_PROMPT_ROWS = _has_bf16_dot()
 
 
