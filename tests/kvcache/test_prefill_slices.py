@@ -73,10 +73,10 @@ def test_small_parts_are_joined_up_to_a_slice_for_flash_attention(slices, tmp_pa
     keys_per_call = []
     fp_attention = view._fp_attention
 
-    def recording(q, k, v, mask, scaling):
-        if mask is None:  # a history slice (the full-precision parts carry the causal mask)
+    def recording(q, k, v, mask, scaling, causal=False):
+        if mask is None and not causal:  # a history slice (the full-precision parts are causal)
             keys_per_call.append(k.shape[2])
-        return fp_attention(q, k, v, mask, scaling)
+        return fp_attention(q, k, v, mask, scaling, causal)
 
     monkeypatch.setattr(view, "_fp_attention", recording)
     model = tiny("llama")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import lessmem.weights.gguf_linear as gl
+from lessmem.kernels import prompt_attention as PA
 from lessmem.kvcache import KVCache, enable
 from lessmem.kvcache import view as V
 from lessmem.models import tiny_random
@@ -63,11 +64,18 @@ def test_prompt_chunks_attend_in_bf16_decode_rows_in_float32(blocks, kind, monke
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_spy)
     orig_fp = V._fp_attention
 
-    def fp_spy(q, k, v, mask, scaling):  # the flash-attention calls with a log-sum-exp
+    def fp_spy(q, k, v, mask, scaling, causal=False):  # the flash-attention calls with a log-sum-exp
         spy.append(V._bf16(q, k, v, mask) is not None)
-        return orig_fp(q, k, v, mask, scaling)
+        return orig_fp(q, k, v, mask, scaling, causal)
 
     monkeypatch.setattr(V, "_fp_attention", fp_spy)
+    kernel = PA.bf16_attention
+
+    def kernel_spy(q, *a, **kw):  # the bf16 dot-product kernel (CPUs with AVX512-BF16) is bf16 too
+        spy.append(True)
+        return kernel(q, *a, **kw)
+
+    monkeypatch.setattr(PA, "bf16_attention", kernel_spy)
     ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(1))
 
     monkeypatch.setattr(gl, "BF16_PROMPT_ROWS", False)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import prompt_attention
 from ..kernels.attention import (
     QuantKV,
     QuantSide,
@@ -75,8 +76,28 @@ def _is_plain_causal(mask: torch.Tensor, Tq: int, L: int) -> bool:
     return memo
 
 
-def _fp_attention(q, k, v, mask, scaling):
-    """(out, lse) of q over full-precision k, v (GQA expanded here); mask additive/None."""
+def _bf16_kernel(q, k, mask) -> bool:
+    """A prompt chunk in bfloat16 (``PROMPT_BF16``, as ``_bf16``) without a mask, on a CPU
+    where ``kernels.prompt_attention`` runs: its bf16 dot-product kernel takes the call."""
+    return (mask is None and q.dtype == torch.float32 and q.shape[-2] >= BF16_MIN_ROWS and PROMPT_BF16.get()
+            and prompt_attention.supports(q, k))
+
+
+def _causal_mask(q, k, mask, causal: bool):
+    """``mask``, or where ``causal`` (and no mask) the causal tail mask over k's positions."""
+    if not causal or mask is not None or q.shape[2] == 1:
+        return mask
+    B, Tq, n = q.shape[0], q.shape[2], k.shape[2]
+    return _causal_tail(n, Tq, q.device).expand(B, 1, Tq, n).contiguous()
+
+
+def _fp_attention(q, k, v, mask, scaling, causal: bool = False):
+    """(out, lse) of q over full-precision k, v (GQA expanded here); mask additive/None.
+    ``causal`` (no mask): the queries are the last of k's positions, each seeing itself and
+    everything before it."""
+    if _bf16_kernel(q, k, mask):
+        return prompt_attention.bf16_attention(q, k, v, scaling, causal)
+    mask = _causal_mask(q, k, mask, causal)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -110,9 +131,12 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return out_a * w_a + out_b.nan_to_num(0.0) * w_b, lse
 
 
-def _sdpa_gqa(q, k, v, mask, scaling):
+def _sdpa_gqa(q, k, v, mask, scaling, causal: bool = False):
     """SDPA over full-precision k, v with fewer KV heads than query heads, read in place
-    (``enable_gqa``, torch 2.5+; older torch expands them)."""
+    (``enable_gqa``, torch 2.5+; older torch expands them). ``causal`` as ``_fp_attention``."""
+    if _bf16_kernel(q, k, mask):
+        return prompt_attention.bf16_attention(q, k, v, scaling, causal)[0]
+    mask = _causal_mask(q, k, mask, causal)
     low = _bf16(q, k, v, mask) if q.device.type == "cpu" else None  # a prompt chunk in bf16
     q_, k_, v_, m_ = low if low is not None else (q, k, v, mask)
     try:
@@ -296,7 +320,7 @@ class LayerView:
         chunk, causal within it) are one more call; the pieces merge by their log-sum-exp.
         Transient memory is one slice's float keys and values, whatever the context length."""
         B, Hq, Tq, D = qf.shape
-        out, lse = _fp_attention(qf, kf, vf, _causal_tail(kf.shape[2], Tq, qf.device), scaling)
+        out, lse = _fp_attention(qf, kf, vf, None, scaling, causal=True)
         qh = qf @ _rot_matrix(self.rot_k, qf.device, Hq) if self.rot_k is not None else qf
         Hkv = self.history.n_kv_heads
         qg = qh.reshape(B, Hkv, Hq // Hkv * Tq, D)  # query heads of one KV head as rows
@@ -353,14 +377,12 @@ class LayerView:
             m = m.expand(B, 1, Tq, L)
             m_fp = torch.cat([m[..., :s], m[..., s + nh:]], dim=-1).contiguous()
             m_h = m[:, 0, :, s:s + nh].contiguous()
-        else:
-            m_h = None
-            m_fp = None
-            if Tq > 1:  # causal within the current chunk
-                m_fp = _causal_tail(kf.shape[2], Tq, q.device).expand(B, 1, Tq, kf.shape[2]).contiguous()
+        else:  # causal within the current chunk
+            m_h = m_fp = None
+        causal = mask is None and Tq > 1
         if not nh:  # no history to merge with: no log-sum-exp needed, GQA without copies
-            return _sdpa_gqa(qf, kf, vf, m_fp, scaling).to(q.dtype)
-        out_f, lse_f = _fp_attention(qf, kf, vf, m_fp, scaling)
+            return _sdpa_gqa(qf, kf, vf, m_fp, scaling, causal).to(q.dtype)
+        out_f, lse_f = _fp_attention(qf, kf, vf, m_fp, scaling, causal)
         qh = qf * scaling
         if self.rot_k is not None:
             qh = self.rot_k.rotate(qh)

@@ -1,0 +1,71 @@
+"""A prompt chunk's attention in bfloat16 on CPUs with AVX512-BF16: ``csrc/prompt_attention.cpp``.
+
+Where a prompt chunk attends in bfloat16 (``kvcache.view.PROMPT_BF16``), torch's CPU flash
+attention ran at ~75 GFLOP/s on a two-core AMD EPYC (Zen 4), against ~400 for oneDNN's bf16
+matrix products of the same chunk's linears, and with a causal chunk it multiplies every
+masked score too. This kernel computes the same thing with the CPU's bf16 dot-product
+instruction (``vdpbf16ps``: 32 bf16 products summed into 16 float32 lanes) and skips what a
+causal row cannot see:
+
+- the keys of a KV head are repacked once a call so that one vector holds channels
+  2i, 2i+1 of 16 keys (a score vector is 16 keys of one query row, D/2 dot-product
+  instructions, no horizontal sums), the values so that one vector holds 16 channels of two
+  consecutive keys (p of two keys broadcast as one word);
+- the query heads sharing a KV head are rows of one matrix (GQA without repeating keys);
+  four rows go through a tile of 64 keys together: scores in float32, the online softmax
+  (running max and sum, FlashAttention: Dao et al. 2022, arXiv:2205.14135) in float32, the
+  probabilities rounded to bfloat16 for the weighted sum of the values, accumulated in float32;
+- a causal row stops at its last visible key: whole tiles past it are never computed.
+
+Returns the output in float32 and each row's log-sum-exp (natural log), which the caller
+merges with the attention over other keys (``kvcache.view._merge``). On a CPU without
+AVX512-BF16 (or without a compiler) ``available()`` is false and callers keep torch's flash
+attention; head sizes other than 64 and 128 go there too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._build import load_cpp_file
+
+HEAD_DIMS = (64, 128)  # head sizes the kernel is compiled for
+
+
+def load():
+    """The compiled module, or None without a compiler (cached)."""
+    return load_cpp_file("lessmem_prompt_attention", "prompt_attention.cpp", ["available", "bf16_attention"],
+                         ["-fno-math-errno"])
+
+
+def available() -> bool:
+    """True where the kernel computes with AVX512-BF16 (the module built, the CPU has it)."""
+    m = load()
+    return bool(m is not None and m.available())
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`bf16_attention` takes these query and key tensors ([B, H, T, D] on
+    the CPU, D in ``HEAD_DIMS``, query heads a multiple of the key heads) on this machine."""
+    return (q.device.type == "cpu" and k.device.type == "cpu" and q.dim() == 4 and k.dim() == 4
+            and q.shape[-1] in HEAD_DIMS and k.shape[-1] == q.shape[-1] and q.shape[0] == k.shape[0]
+            and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0 and k.shape[2] >= 1 and available())
+
+
+def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``softmax(scale · q kᵀ) v`` with q, k, v rounded to bfloat16: q
+    [B, Hq, Tq, D], k and v [B, Hkv, N, D] (Hq a multiple of Hkv, GQA); out [B, Hq, Tq, D]
+    float32, lse [B, Hq, Tq] float32. ``causal``: the queries are the last Tq of the N
+    positions and each sees itself and everything before it (N >= Tq). Check
+    :func:`supports` first."""
+    B, Hq, Tq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    if causal and N < Tq:
+        raise ValueError(f"causal attention needs at least as many keys ({N}) as queries ({Tq})")
+    rows = Hq // Hkv * Tq
+    qg = q.to(torch.bfloat16).reshape(B * Hkv, rows, D).contiguous()
+    kg = k.to(torch.bfloat16).reshape(B * Hkv, N, D).contiguous()
+    vg = v.to(torch.bfloat16).reshape(B * Hkv, N, D).contiguous()
+    out, lse = load().bf16_attention(qg, kg, vg, float(scale), N - Tq if causal else -1, Tq)
+    return out.view(B, Hq, Tq, D), lse.view(B, Hq, Tq)
