@@ -112,3 +112,72 @@ def test_view_falls_back_without_the_kernel(history, monkeypatch):
     assert got.shape == q.shape and got.dtype == torch.float32
     assert (got - ref).abs().max() < 2e-2
     assert torch.equal(got, ref) != ran  # the kernel took the call where it runs (other roundings)
+
+
+def test_plain_tensors_take_the_kernel_only_where_sdpa_would_be_plain(monkeypatch):
+    """``kvcache.attention`` (a DynamicCache or no cache) hands a bf16 prompt chunk to the
+    kernel only for what it computes the same: no mask and as many queries as keys (causal,
+    or not where the module is not causal), or a plain causal bool mask; never a padded mask,
+    dropout, a position bias, or a causal chunk after a history without a mask (SDPA's
+    is_causal aligns that top-left)."""
+    from types import SimpleNamespace
+
+    from lessmem.kvcache.attention import _kernel_causal
+
+    monkeypatch.setattr(PA, "available", lambda: True)  # the decisions, not the kernel
+    causal_mod, plain_mod = SimpleNamespace(is_causal=True), SimpleNamespace(is_causal=False)
+    q, k = torch.randn(1, 4, 32, 64), torch.randn(1, 2, 32, 64)
+    k_long = torch.randn(1, 2, 48, 64)
+    tail = torch.ones(32, 48, dtype=torch.bool).tril(16)[None, None]
+    padded = tail.clone()
+    padded[..., 0] = False
+    token = V.PROMPT_BF16.set(True)
+    try:
+        assert _kernel_causal(causal_mod, q, k, None, 0.0, None, {}) is True
+        assert _kernel_causal(plain_mod, q, k, None, 0.0, None, {}) is False
+        assert _kernel_causal(causal_mod, q, k, None, 0.0, False, {}) is False  # the call's flag first
+        assert _kernel_causal(causal_mod, q, k_long, None, 0.0, None, {}) is None
+        assert _kernel_causal(causal_mod, q, k_long, tail, 0.0, None, {}) is True
+        assert _kernel_causal(causal_mod, q, k_long, padded, 0.0, None, {}) is None
+        assert _kernel_causal(causal_mod, q, k, None, 0.1, None, {}) is None
+        assert _kernel_causal(causal_mod, q, k, None, 0.0, None, {"position_bias": torch.zeros(1)}) is None
+        assert _kernel_causal(causal_mod, q, torch.randn(1, 2, 32, 80), None, 0.0, None, {}) is None
+    finally:
+        V.PROMPT_BF16.reset(token)
+    assert _kernel_causal(causal_mod, q, k, None, 0.0, None, {}) is None  # float32 prompt: SDPA
+
+
+@needs_kernel
+def test_a_dynamic_cache_prompt_is_sdpa_to_bf16_precision(monkeypatch, tmp_path):
+    """A model on plain tensors (DynamicCache), bf16 prompt rows: three 40-token chunks'
+    logits with the kernel against SDPA's bf16 flash attention."""
+    from transformers import DynamicCache
+
+    import lessmem.weights.gguf_linear as gl
+    from lessmem.kvcache import enable
+    from lessmem.models import tiny_random
+    from lessmem.weights.gguf_export import write_model_gguf
+    from lessmem.weights.gguf_load import load_gguf_blocks
+
+    torch.manual_seed(0)
+    m = tiny_random("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    model = load_gguf_blocks(write_model_gguf(m, tmp_path / "m.gguf", "q8_0"), config=m.config)
+    monkeypatch.setattr(gl, "BF16_PROMPT_ROWS", True)
+    ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(1))
+    calls = []
+    kernel = PA.bf16_attention
+    monkeypatch.setattr(PA, "bf16_attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+
+    def run():
+        cache, out = DynamicCache(), []
+        with torch.no_grad(), enable(model):
+            for s in range(0, 120, 40):
+                out.append(model(ids[:, s:s + 40], past_key_values=cache).logits)
+        return torch.cat(out, 1)
+
+    got = run()
+    assert len(calls) == 2 * 3  # two layers, three chunks, each chunk after the first a plain causal mask
+    monkeypatch.setattr(PA, "available", lambda: False)
+    ref = run()
+    assert len(calls) == 6 and not torch.equal(got, ref)
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .view import BF16_MIN_ROWS, PROMPT_BF16, _bf16
+from ..kernels import prompt_attention
+from .view import BF16_MIN_ROWS, PROMPT_BF16, _bf16, _bf16_kernel, _is_plain_causal
 
 NAME = "lessmem"
 
@@ -74,6 +75,10 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
         return _softcapped(query, key, value, attention_mask, scale, float(softcap)), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    causal = _kernel_causal(module, query, key, attention_mask, dropout, is_causal, kwargs)
+    if causal is not None:  # a prompt chunk in bf16 on the bf16 dot-product kernel
+        out = prompt_attention.bf16_attention(query, key, value, scale, causal)[0]
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
     low = _bf16(query, key, value, attention_mask) if key.dtype == torch.float32 else None
     if low is not None:  # a prompt chunk in bf16 (PROMPT_BF16); the output back in float32
         out, w = sdpa_attention_forward(module, *low, dropout=dropout, scaling=scaling,
@@ -81,6 +86,24 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
         return out.float(), w
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _kernel_causal(module, query, key, mask, dropout, is_causal, kwargs) -> bool | None:
+    """Whether a prompt chunk in bfloat16 (``PROMPT_BF16``) over plain tensors (a DynamicCache,
+    no cache) goes to ``kernels.prompt_attention`` instead of SDPA: True (causal, the
+    queries the last of the keys) or False (every query sees every key), from what SDPA would
+    have done with the same arguments; None (SDPA) for any mask other than a plain causal
+    one, dropout, or an extra term SDPA adds (position bias, attention sinks)."""
+    if (dropout or key.dtype != torch.float32 or kwargs.get("position_bias") is not None
+            or kwargs.get("s_aux") is not None or not _bf16_kernel(query, key, None)):
+        return None
+    Tq, L = query.shape[2], key.shape[2]
+    if mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if causal and Tq != L:  # (SDPA's is_causal aligns top-left there)
+            return None
+        return bool(causal)
+    return True if _is_plain_causal(mask, Tq, L) else None
 
 
 def _softcapped(q, k, v, mask, scaling: float, softcap: float):
