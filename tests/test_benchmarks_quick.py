@@ -140,6 +140,27 @@ def check_linear(data: dict, fresh: bool) -> None:
             assert 0 <= err <= tol, f"{w}: {v} ({layout}) relative error {err} > {tol}"
 
 
+def check_prompt_attention(data: dict, fresh: bool) -> None:
+    h = check_header(data)
+    kernel = need(h, "kernel_available", bool, "header")
+    rows = need(data, "rows", list, "result")
+    assert rows, "no rows"
+    for i, r in enumerate(rows):
+        w = f"rows[{i}]"
+        assert need(r, "queries", int, w) > 0 and need(r, "keys", int, w) >= r["queries"]
+        need(r, "causal", bool, w)
+        for key in ("sdpa_ms", "sdpa_gflops"):
+            positive(r, key, w)
+        assert 0 <= need(r, "sdpa_max_abs_err", NUM, w) <= 2e-2, f"{w}: SDPA against the float64 formula"
+        if kernel:
+            for key in ("kernel_ms", "kernel_gflops", "kernel_speedup"):
+                positive(r, key, w)
+            err = need(r, "kernel_max_abs_err", NUM, w)  # probabilities rounded to bf16 for Σ p·v
+            assert 0 <= err <= 1e-2, f"{w}: kernel output off the float64 formula by {err}"
+            assert 0 <= need(r, "kernel_lse_max_abs_err", NUM, w) <= 1e-3, f"{w}: kernel log-sum-exp"
+            assert r["kernel_speedup"] == pytest.approx(r["sdpa_ms"] / r["kernel_ms"], rel=1e-6)
+
+
 def check_kv_decode(data: dict, fresh: bool) -> None:
     check_header(data)
     err = need(data, "fused_vs_reference_max_abs", NUM, "result")
@@ -491,6 +512,7 @@ CHECKS = {  # benchmark script -> checker of the JSON it writes
     "bench_gguf_linear.py": check_gguf_linear,
     "bench_linear.py": check_linear,
     "bench_kv_decode.py": check_kv_decode,
+    "bench_prompt_attention.py": check_prompt_attention,
     "bench_offload.py": check_offload,
     "bench_weights_quality.py": check_weights_quality,
     "bench_kv_quality.py": check_kv_quality,
@@ -515,6 +537,10 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e_prefill_bf16.json": "bench_e2e.py",  # and in bf16 on AMX-BF16 (935b5d9), same sitting
     "e2e_prefill_avx512bf16_before.json": "bench_e2e.py",  # AVX512-BF16 without AMX: float32 prompts,
     "e2e_prefill_avx512bf16_after.json": "bench_e2e.py",  # then bf16 ones, same sitting
+    "e2e_prefill_kernel_before.json": "bench_e2e.py",  # bf16 prompt attention on torch's flash kernel,
+    "e2e_prefill_kernel_after.json": "bench_e2e.py",  # then on kernels/prompt_attention.py, same sitting
+    "e2e_16k_prefill_kernel_before.json": "bench_e2e.py",  # the same pair at 16k tokens
+    "e2e_16k_prefill_kernel_after.json": "bench_e2e.py",
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     # --int8-activations --batch 1,4,16 --repeat 200: the 512-bit Q4_0/Q4_1 kernel, and the commit before it
@@ -551,6 +577,7 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "serve_chunk512.json": "bench_serve.py",  # ... and 512 (the new default), same sitting
     "serve_epyc.json": "bench_serve.py",  # serve.json's command on a two-core AMD EPYC (no AMX)
     "bench_gguf_llamacpp.json": "bench_gguf_llamacpp.py",
+    "bench_prompt_attention.json": "bench_prompt_attention.py",  # on the two-core AMD EPYC
     "gpu.json": "bench_gpu.py",  # the H200 run of 2026-12-04
 }
 
@@ -604,6 +631,8 @@ BROKEN = [  # (recorded file, an edit that a broken benchmark could have made)
     ("offload.json", _set(("contexts", 0, "variants", "tiered+prefetch", "tok_s"), float("nan"))),
     ("bench_gguf_linear.json", _set(("rows", 0, "q4_0_ref_rel_err"), 0.3)),
     ("bench_gguf_linear.json", _set(("rows", 2, "q6_k_ms"), KeyError)),
+    ("bench_prompt_attention.json", _set(("rows", 1, "kernel_max_abs_err"), 0.2)),
+    ("bench_prompt_attention.json", _set(("rows", 0, "kernel_speedup"), 9.0)),
     ("bench_linear.json", _set(("rows", 0, "int8_ref_rel_err"), 1e-3)),
     ("bench_linear.json", _set(("header", "threads"), "2")),
     ("kv_decode.json", _set(("fused_vs_reference_max_abs",), 0.5)),
