@@ -181,3 +181,11 @@ def test_a_dynamic_cache_prompt_is_sdpa_to_bf16_precision(monkeypatch, tmp_path)
     ref = run()
     assert len(calls) == 6 and not torch.equal(got, ref)
     assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_cpus_with_amx_keep_torchs_flash_attention(monkeypatch):
+    """Where the CPU has AMX-BF16, torch's flash attention runs on oneDNN's AMX tiles: the
+    kernel steps aside (``available`` false, so ``supports`` too) whatever else the CPU has."""
+    monkeypatch.setattr(PA, "_has_amx_bf16", lambda: True)
+    assert not PA.available()
+    assert not PA.supports(torch.randn(1, 4, 20, 64), torch.randn(1, 2, 30, 64))

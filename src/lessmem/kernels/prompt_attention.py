@@ -20,7 +20,10 @@ causal row cannot see:
 Returns the output in float32 and each row's log-sum-exp (natural log), which the caller
 merges with the attention over other keys (``kvcache.view._merge``). On a CPU without
 AVX512-BF16 (or without a compiler) ``available()`` is false and callers keep torch's flash
-attention; head sizes other than 64 and 128 go there too.
+attention; head sizes other than 64 and 128 go there too. So do CPUs with AMX-BF16 tiles
+(Intel Sapphire Rapids and later): there torch's flash attention multiplies its blocks with
+oneDNN's AMX kernels (brgemm), whose tiles do many times the products of this kernel's
+vector instruction; this kernel was measured only where the CPU has no AMX.
 """
 
 from __future__ import annotations
@@ -38,8 +41,18 @@ def load():
                          ["-fno-math-errno"])
 
 
+def _has_amx_bf16() -> bool:
+    try:
+        return bool(torch._C._cpu._get_cpu_capability().get("amx_bf16"))
+    except (AttributeError, RuntimeError):  # another torch: assume none
+        return False
+
+
 def available() -> bool:
-    """True where the kernel computes with AVX512-BF16 (the module built, the CPU has it)."""
+    """True where the kernel computes with AVX512-BF16 (the module built, the CPU has it) and
+    the CPU has no AMX-BF16 (torch's flash attention uses its tiles: module doc)."""
+    if _has_amx_bf16():
+        return False
     m = load()
     return bool(m is not None and m.available())
 
