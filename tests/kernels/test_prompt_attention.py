@@ -38,6 +38,7 @@ CASES = [  # B, Hq, Hkv, Tq, N, D, causal
     (1, 9, 3, 64, 1000, 64, False),  # a history slice: every row sees every key
     (1, 2, 1, 1, 1, 64, True),       # one query, one key
     (1, 6, 2, 19, 130, 64, True),    # rows not a multiple of the kernel's four
+    (1, 4, 1, 33, 90, 256, True),    # one KV head of 256 (Gemma)
 ]
 
 

@@ -20,7 +20,7 @@ causal row cannot see:
 Returns the output in float32 and each row's log-sum-exp (natural log), which the caller
 merges with the attention over other keys (``kvcache.view._merge``). On a CPU without
 AVX512-BF16 (or without a compiler) ``available()`` is false and callers keep torch's flash
-attention; head sizes other than 64 and 128 go there too. So do CPUs with AMX-BF16 tiles
+attention; head sizes other than 64, 128 and 256 go there too. So do CPUs with AMX-BF16 tiles
 (Intel Sapphire Rapids and later): there torch's flash attention multiplies its blocks with
 oneDNN's AMX kernels (brgemm), whose tiles do many times the products of this kernel's
 vector instruction; this kernel was measured only where the CPU has no AMX.
@@ -32,7 +32,7 @@ import torch
 
 from ._build import load_cpp_file
 
-HEAD_DIMS = (64, 128)  # head sizes the kernel is compiled for
+HEAD_DIMS = (64, 128, 256)  # head sizes the kernel is compiled for (256: Gemma)
 
 
 def load():

@@ -238,8 +238,10 @@ std::vector<torch::Tensor> bf16_attention(torch::Tensor q, torch::Tensor k, torc
     run<64>(qp, kp, vp, G, M, N, (float)scale, causal_offset, period, out.data_ptr<float>(), lse.data_ptr<float>());
   else if (D == 128)
     run<128>(qp, kp, vp, G, M, N, (float)scale, causal_offset, period, out.data_ptr<float>(), lse.data_ptr<float>());
+  else if (D == 256)
+    run<256>(qp, kp, vp, G, M, N, (float)scale, causal_offset, period, out.data_ptr<float>(), lse.data_ptr<float>());
   else
-    TORCH_CHECK(false, "head_dim must be 64 or 128, got ", D);
+    TORCH_CHECK(false, "head_dim must be 64, 128 or 256, got ", D);
 #else
   TORCH_CHECK(false, "this build has no AVX512-BF16 dot products (available() is false)");
 #endif
