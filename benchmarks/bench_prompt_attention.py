@@ -4,11 +4,11 @@ CPUs with AVX512-BF16) against torch's SDPA on the same bf16 tensors.
 The shapes are the built-in model's (9 query heads over 3 KV heads of 64): a chunk of Tq
 queries that are the last Tq of N keys, causal (what a prompt chunk attends to) or not (a
 slice of history before the chunk). First each kernel output is checked against the float64
-formula over the same bf16-rounded q, k and v; then both are timed round-robin (interleaved
-medians, so a noisy neighbour hits both alike). SDPA gets the causal mask as a bool [Tq, N]
-mask, as ``kvcache.view`` gave it before the kernel (``enable_gqa``: the KV heads read in
-place). GFLOP/s count every score of the dense Tq × N product (4·Hq·Tq·N·D), masked or not, the
-same count for both.
+formula over the same bf16-rounded q, k and v (``prompt_attention.reference_attention``);
+then both are timed round-robin (interleaved medians, so a noisy neighbour hits both alike).
+SDPA gets the causal mask as a bool [Tq, N] mask, as ``kvcache.view`` gave it before the
+kernel (``enable_gqa``: the KV heads read in place). GFLOP/s count every score of the dense
+Tq × N product (4·Hq·Tq·N·D), masked or not, the same count for both.
 
     python benchmarks/bench_prompt_attention.py            # Tq 512, N 512 / 1024 / 4096 causal, 2048 not
     python benchmarks/bench_prompt_attention.py --quick    # one small shape, few repeats
@@ -33,18 +33,6 @@ FULL = [(512, 512, True), (512, 1024, True), (512, 4096, True), (512, 2048, Fals
 QUICK = [(64, 160, True)]
 
 
-def reference(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 softmax attention over the bf16-rounded inputs: (out, lse)."""
-    q, k, v = (x.to(torch.bfloat16).double() for x in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    Tq, N = q.shape[2], k.shape[2]
-    if causal:
-        s = s.masked_fill(torch.arange(N)[None, :] > torch.arange(Tq)[:, None] + (N - Tq), float("-inf"))
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
-
-
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("--repeat", type=int, default=20)
@@ -67,7 +55,7 @@ def main() -> int:
         x = (q, k, v)
         fns = {"sdpa": lambda t, m=mask: F.scaled_dot_product_attention(*t, attn_mask=m, scale=scale, enable_gqa=True)}
         row = {"queries": Tq, "keys": N, "causal": causal}
-        ref, ref_lse = reference(q, k, v, scale, causal)
+        ref, ref_lse = prompt_attention.reference_attention(q, k, v, scale, causal)
         row["sdpa_max_abs_err"] = (fns["sdpa"](x).double() - ref).abs().max().item()
         if kernel:
             fns["kernel"] = lambda t, c=causal: prompt_attention.bf16_attention(*t, scale, c)

@@ -19,18 +19,6 @@ from lessmem.kvcache import view as V
 needs_kernel = pytest.mark.skipif(not PA.available(), reason="the CPU has no AVX512-BF16 (or no compiler)")
 
 
-def _reference(q, k, v, scale, causal):
-    q, k, v = (x.to(torch.bfloat16).double() for x in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    Tq, N = q.shape[2], k.shape[2]
-    if causal:
-        seen = torch.arange(N)[None, :] <= torch.arange(Tq)[:, None] + (N - Tq)
-        s = s.masked_fill(~seen, float("-inf"))
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
-
-
 CASES = [  # B, Hq, Hkv, Tq, N, D, causal
     (1, 9, 3, 37, 37, 64, True),     # a first chunk: causal over itself
     (1, 9, 3, 100, 250, 64, True),   # after a window: tiles past a row's last key skipped
@@ -49,7 +37,7 @@ def test_kernel_matches_the_formula(B, Hq, Hkv, Tq, N, D, causal):
     q = torch.randn(B, Hq, Tq, D, generator=g) * 2
     k, v = torch.randn(B, Hkv, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g)
     out, lse = PA.bf16_attention(q, k, v, D ** -0.5, causal)
-    ref, ref_lse = _reference(q, k, v, D ** -0.5, causal)
+    ref, ref_lse = PA.reference_attention(q, k, v, D ** -0.5, causal)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:3]
     assert (lse.double() - ref_lse).abs().max() < 1e-4  # scores: exact products, float32 sums
     assert (out.double() - ref).abs().max() < 6e-3  # probabilities rounded to bf16 (2^-9) in Σ p·v

@@ -82,3 +82,20 @@ def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     vg = v.to(torch.bfloat16).reshape(B * Hkv, N, D).contiguous()
     out, lse = load().bf16_attention(qg, kg, vg, float(scale), N - Tq if causal else -1, Tq)
     return out.view(B, Hq, Tq, D), lse.view(B, Hq, Tq)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference twin of :func:`bf16_attention`: the same ``(out, lse)`` in float64 over
+    the bf16-rounded q, k and v, by the formula (softmax of every score; GQA by repeating the
+    KV heads). The kernel differs from it by its float32 sums and the probabilities it rounds
+    to bf16 for the weighted sum of the values."""
+    q, k, v = (x.to(torch.bfloat16).double() for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    Tq, N = q.shape[2], k.shape[2]
+    if causal:
+        seen = torch.arange(N, device=q.device)[None, :] <= torch.arange(Tq, device=q.device)[:, None] + (N - Tq)
+        s = s.masked_fill(~seen, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)

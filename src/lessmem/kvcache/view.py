@@ -362,7 +362,7 @@ class LayerView:
         kf, vf = self._fp_parts(torch.float32)
         s, nh = self.n_sinks, self.n_history
         L = nh + kf.shape[2]
-        if mask is not None and nh and _is_plain_causal(mask, Tq, L):
+        if mask is not None and _is_plain_causal(mask, Tq, L):
             mask = None
         if nh and Tq <= FUSED_MAX_QUERIES:
             out = self._attend_one_call(qf, kf, vf, mask, scaling, L)
