@@ -1,9 +1,10 @@
 """A prompt chunk's attention in bfloat16 on CPUs with AVX512-BF16: ``csrc/prompt_attention.cpp``.
 
 Where a prompt chunk attends in bfloat16 (``kvcache.view.PROMPT_BF16``), torch's CPU flash
-attention ran at ~75 GFLOP/s on a two-core AMD EPYC (Zen 4), against ~400 for oneDNN's bf16
-matrix products of the same chunk's linears, and with a causal chunk it multiplies every
-masked score too. This kernel computes the same thing with the CPU's bf16 dot-product
+attention ran at 92–106 GFLOP/s on a two-core AMD EPYC (Zen 4, no AMX), well below oneDNN's
+bf16 matrix products of the same chunk's linears, and with a causal chunk it multiplies every
+masked score too; this kernel ran at 230–368 there (``benchmarks/bench_prompt_attention.py``,
+``bench_prompt_attention.json``: GFLOP/s of the dense product). It computes the same thing with the CPU's bf16 dot-product
 instruction (``vdpbf16ps``: 32 bf16 products summed into 16 float32 lanes) and skips what a
 causal row cannot see:
 
