@@ -4,9 +4,9 @@ Where a prompt chunk attends in bfloat16 (``kvcache.view.PROMPT_BF16``), torch's
 attention ran at 92–106 GFLOP/s on a two-core AMD EPYC (Zen 4, no AMX), well below oneDNN's
 bf16 matrix products of the same chunk's linears, and with a causal chunk it multiplies every
 masked score too; this kernel ran at 230–368 there (``benchmarks/bench_prompt_attention.py``,
-``bench_prompt_attention.json``: GFLOP/s of the dense product). It computes the same thing with the CPU's bf16 dot-product
-instruction (``vdpbf16ps``: 32 bf16 products summed into 16 float32 lanes) and skips what a
-causal row cannot see:
+``bench_prompt_attention.json``: GFLOP/s of the dense product). It computes the same thing
+with the CPU's bf16 dot-product instruction (``vdpbf16ps``: 32 bf16 products summed into 16
+float32 lanes) and skips what a causal row cannot see:
 
 - the keys of a KV head are repacked once a call so that one vector holds channels
   2i, 2i+1 of 16 keys (a score vector is 16 keys of one query row, D/2 dot-product
