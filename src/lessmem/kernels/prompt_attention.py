@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..base.cpu import cpu_capability
 from ._build import load_cpp_file
 
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernel is compiled for (256: Gemma)
@@ -43,10 +44,7 @@ def load():
 
 
 def _has_amx_bf16() -> bool:
-    try:
-        return bool(torch._C._cpu._get_cpu_capability().get("amx_bf16"))
-    except (AttributeError, RuntimeError):  # another torch: assume none
-        return False
+    return bool(cpu_capability().get("amx_bf16"))
 
 
 def available() -> bool:

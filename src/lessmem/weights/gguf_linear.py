@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..base.cpu import cpu_capability
 from ..formats.gguf import quantize_gguf
 from ..kernels import gguf_linear_cpp as kernel
 from ..kernels import linear_ops  # noqa: F401  (registers torch.ops.lessmem.gguf_linear)
@@ -57,11 +58,9 @@ DECODE_WEIGHTS_MAX = 1 << 22  # prefill decodes at most this many weights (16 MB
 
 
 def _has_bf16_dot() -> bool:
-    """The CPU multiplies bfloat16 in hardware: AMX-BF16 tiles or AVX512-BF16 dot products."""
-    try:
-        cap = torch._C._cpu._get_cpu_capability()
-    except (AttributeError, RuntimeError):  # another torch: keep float32
-        return False
+    """The CPU multiplies bfloat16 in hardware: AMX-BF16 tiles or AVX512-BF16 dot products
+    (another torch, without the report: no, float32 stays)."""
+    cap = cpu_capability()
     return bool(cap.get("amx_bf16") or cap.get("avx512_bf16"))
 
 

@@ -79,7 +79,7 @@ void pack_values(const uint16_t* v, int64_t n, int64_t D, int64_t n_pad, uint32_
 // `rows`) over the keys 0..last[r] of each row. out rows D floats apart, lse one per row.
 template <int D>
 void rows_pass(const uint16_t* const* q, int rows, const int64_t* last, const uint32_t* kp,
-               const uint32_t* vp, float scale, float* const* out, float* lse, float* pbuf_f) {
+               const uint32_t* vp, float scale, float* const* out, float* lse) {
   constexpr int P = D / 2, C = D / 16;
   alignas(64) float o[R][D];
   alignas(64) uint16_t pb[R][KT];
@@ -92,7 +92,6 @@ void rows_pass(const uint16_t* const* q, int rows, const int64_t* last, const ui
     lo_last = std::min(lo_last, last[r]);
     hi_last = std::max(hi_last, last[r]);
   }
-  (void)pbuf_f;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 <= hi_last; t0 += KT) {
     // scores of the tile: one accumulator per row and block of 16 keys
@@ -197,7 +196,7 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t G, int
         orow[r] = out + (g * M + m) * D;
         last[r] = causal_offset < 0 ? N - 1 : std::min(N - 1, causal_offset + m % period);
       }
-      rows_pass<D>(qr, rows, last, kg, vg, scale, orow, lse + g * M + m0, nullptr);
+      rows_pass<D>(qr, rows, last, kg, vg, scale, orow, lse + g * M + m0);
     }
   }
 }
