@@ -55,11 +55,3 @@ def test_set_threads_uses_no_more_than_the_free_cores(monkeypatch, capsys):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-
-
-def test_cpu_capability_is_torchs_report_read_once():
-    import torch
-
-    got = cpu.cpu_capability()
-    assert got is cpu.cpu_capability()  # cached: kernels ask before every prompt chunk's attention
-    assert got == dict(torch._C._cpu._get_cpu_capability())

@@ -178,3 +178,11 @@ def test_cpus_with_amx_keep_torchs_flash_attention(monkeypatch):
     monkeypatch.setattr(PA, "_has_amx_bf16", lambda: True)
     assert not PA.available()
     assert not PA.supports(torch.randn(1, 4, 20, 64), torch.randn(1, 2, 30, 64))
+
+
+def test_cpu_capability_is_torchs_report_read_once():
+    from lessmem.kernels._build import cpu_capability
+
+    got = cpu_capability()
+    assert got is cpu_capability()  # cached: the kernel's gate is asked before every prompt chunk's attention
+    assert got == dict(torch._C._cpu._get_cpu_capability())

@@ -15,22 +15,8 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import os
 import time
-
-
-@functools.cache
-def cpu_capability() -> dict:
-    """torch's report of this CPU's instruction sets (``amx_bf16``, ``avx512_bf16``, ...), read
-    once per process (it costs ~10 µs a call, and kernels ask before every prompt chunk's
-    attention); empty where this torch has no such report."""
-    try:
-        import torch
-
-        return dict(torch._C._cpu._get_cpu_capability())
-    except (AttributeError, RuntimeError, ImportError):
-        return {}
 
 
 def usable_cores() -> int:

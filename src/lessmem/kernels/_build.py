@@ -56,6 +56,19 @@ def cpp_source(filename: str, package: str = "lessmem.kernels") -> str:
                                 "(installed without its package data?)") from exc
 
 
+@functools.cache
+def cpu_capability() -> dict:
+    """torch's report of this CPU's instruction sets (``amx_bf16``, ``avx512_bf16``, ...), read
+    once per process (it costs ~10 µs a call, and kernels ask before every prompt chunk's
+    attention); empty where this torch has no such report."""
+    try:
+        import torch
+
+        return dict(torch._C._cpu._get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return {}
+
+
 @functools.lru_cache(maxsize=1)
 def host_cpu() -> str:
     """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux's

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base.cpu import cpu_capability
-from ._build import load_cpp_file
+from ._build import cpu_capability, load_cpp_file
 
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernel is compiled for (256: Gemma)
 

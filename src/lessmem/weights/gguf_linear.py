@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..base.cpu import cpu_capability
 from ..formats.gguf import quantize_gguf
 from ..kernels import gguf_linear_cpp as kernel
 from ..kernels import linear_ops  # noqa: F401  (registers torch.ops.lessmem.gguf_linear)
+from ..kernels._build import cpu_capability
 from .qlinear import FUSED_MAX_ROWS, held_nbytes  # FUSED_MAX_ROWS: above it, decode once + BLAS
 from .rtn import check_size
 
