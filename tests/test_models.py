@@ -73,6 +73,20 @@ def test_load_hf_directory(tmp_path):
         assert torch.equal(m2(ids).logits, m3(ids).logits)
 
 
+def test_load_tunes_the_heap_once_its_arguments_pass(tmp_path, monkeypatch):
+    from lessmem.base import cpu
+
+    calls = []
+    monkeypatch.setattr(cpu, "tune_heap", lambda: calls.append(1) or True)
+    tiny_random("llama").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tokenizer='no'"):
+        load(str(tmp_path), tokenizer="no")
+    assert not calls  # refused before anything changes
+    load(str(tmp_path), tokenizer=False)
+    assert calls == [1]
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown model 'nonexistent-thing'"):
         load("nonexistent-thing")

@@ -240,6 +240,9 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, 
         raise ValueError(f"weights={weights!r}; allowed: {', '.join(map(repr, WEIGHTS))}")
     if not isinstance(tokenizer, bool):
         raise ValueError(f"tokenizer={tokenizer!r}; allowed: True or False")
+    from .base.cpu import tune_heap
+
+    tune_heap()  # the C heap keeps the pages a model run frees and reuses (base.cpu)
     if kind == "builtin":
         model, tok = _load_builtin(BUILTIN[name], dtype, weights, tokenizer)
     elif kind == "gguf":

@@ -55,3 +55,67 @@ def test_set_threads_uses_no_more_than_the_free_cores(monkeypatch, capsys):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+_HEAP_PROBE = r"""
+import ctypes, json, sys
+from lessmem.base import cpu
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                              "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+tuned = cpu.tune_heap()
+before = libc.mallinfo2().hblks
+block = libc.malloc(8 << 20)  # 8 MiB: over glibc's starting mmap threshold (128 KiB)
+mapped = libc.mallinfo2().hblks - before
+libc.free(block)
+print(json.dumps({"tuned": tuned, "again": cpu.tune_heap(), "mapped": mapped}))
+"""
+
+
+def _heap_probe(**env):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("LESSMEM_TUNE_HEAP", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], env={**clean, **env}, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _glibc() -> bool:
+    """glibc 2.33 or later (``mallinfo2``)."""
+    import platform
+
+    lib, version = platform.libc_ver()
+    try:
+        return lib == "glibc" and tuple(int(x) for x in version.split(".")[:2]) >= (2, 33)
+    except ValueError:
+        return False
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc 2.33+ (mallopt, mallinfo2)")
+def test_tune_heap_serves_blocks_of_a_few_mib_from_the_heap():
+    # tuned: an 8 MiB block comes from the heap (its pages stay for the next one); untuned,
+    # glibc maps it on its own and unmaps it on free (the next block faults its pages in again)
+    got = _heap_probe()
+    assert got == {"tuned": True, "again": True, "mapped": 0}
+    assert cpu.HEAP_MMAP_THRESHOLD <= 32 << 20  # (glibc refuses more)
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc 2.33+ (mallopt, mallinfo2)")
+@pytest.mark.parametrize("env", [{"LESSMEM_TUNE_HEAP": "0"}, {"LESSMEM_TUNE_HEAP": "off"},
+                                 {"MALLOC_TRIM_THRESHOLD_": "1000000"}, {"MALLOC_MMAP_THRESHOLD_": "131072"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"}])
+def test_tune_heap_leaves_a_process_that_chose_its_malloc_settings(env):
+    got = _heap_probe(**env)
+    assert got == {"tuned": False, "again": False, "mapped": 1}
