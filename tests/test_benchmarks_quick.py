@@ -541,6 +541,8 @@ RECORDED = {  # recorded full-run result -> its benchmark
     "e2e_prefill_kernel_after.json": "bench_e2e.py",  # then on kernels/prompt_attention.py, same sitting
     "e2e_16k_prefill_kernel_before.json": "bench_e2e.py",  # the same pair at 16k tokens
     "e2e_16k_prefill_kernel_after.json": "bench_e2e.py",
+    "e2e_heap_before.json": "bench_e2e.py",  # glibc's dynamic malloc thresholds (c02b6d5),
+    "e2e_heap_after.json": "bench_e2e.py",  # then base.cpu.tune_heap's fixed ones, same sitting
     "bench_formats.json": "bench_formats.py",
     "bench_gguf_linear.json": "bench_gguf_linear.py",
     # --int8-activations --batch 1,4,16 --repeat 200: the 512-bit Q4_0/Q4_1 kernel, and the commit before it
