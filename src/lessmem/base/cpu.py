@@ -65,9 +65,9 @@ def free_cores(sample_s: float = 0.1) -> int:
 _LIBC = []  # [the C library's malloc_trim, or None where there is none], looked up once
 
 # glibc's malloc thresholds lessmem sets for a model run (tune_heap): allocations up to
-# HEAP_MMAP_THRESHOLD come from the heap (32 MiB: the most glibc allows, and the ceiling its
-# own dynamic threshold climbs to), and the heap's free top goes back to the OS only past
-# HEAP_TRIM_THRESHOLD
+# HEAP_MMAP_THRESHOLD come from the heap (32 MiB: the ceiling glibc's own dynamic threshold
+# climbs to, and the largest its manual allows on 64-bit systems), and the heap's free top
+# goes back to the OS only past HEAP_TRIM_THRESHOLD
 HEAP_MMAP_THRESHOLD = 32 << 20
 HEAP_TRIM_THRESHOLD = 128 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
