@@ -62,7 +62,7 @@ def free_cores(sample_s: float = 0.1) -> int:
     return max(1, min(cores, int(machine - busy + 0.35)))  # a core counts free at >= 65% idle
 
 
-_LIBC = []  # [the C library's malloc_trim, or None where there is none], looked up once
+_LIBC = {}  # C library function name -> its ctypes function, or None where there is none
 
 # glibc's malloc thresholds lessmem sets for a model run (tune_heap): allocations up to
 # HEAP_MMAP_THRESHOLD come from the heap (32 MiB: the ceiling glibc's own dynamic threshold
@@ -97,21 +97,30 @@ def tune_heap() -> bool:
     env = os.environ
     chosen = (env.get("LESSMEM_TUNE_HEAP", "1").strip().lower() in ("0", "false", "no", "off")
               or any(k in env for k in _USER_MALLOC_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""))
-    done = False
-    if not chosen:
+    fn = None if chosen else _libc_function("mallopt", ("c_int", "c_int"))
+    done = fn is not None and bool(fn(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(
+        fn(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
+    _TUNED.append(done)
+    return done
+
+
+def _libc_function(name: str, argtypes: tuple[str, ...]):
+    """The C library's function ``name`` (ctypes, returning int; ``argtypes`` by ctypes type
+    name), or None where the library or the function is missing; looked up once."""
+    if name not in _LIBC:
         import ctypes
         import ctypes.util
 
+        fn = None
         try:
-            name = ctypes.util.find_library("c")
-            fn = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+            lib = ctypes.util.find_library("c")
+            fn = getattr(ctypes.CDLL(lib), name, None) if lib else None
         except OSError:
             fn = None
         if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            done = bool(fn(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(fn(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
-    _TUNED.append(done)
-    return done
+            fn.argtypes, fn.restype = [getattr(ctypes, t) for t in argtypes], ctypes.c_int
+        _LIBC[name] = fn
+    return _LIBC[name]
 
 
 def trim_heap() -> bool:
@@ -124,20 +133,7 @@ def trim_heap() -> bool:
     prefill chunk of a switched model and after its decode steps that move blocks into a
     lessmem cache's history (``lessmem.decode``), every ``TRIM_EVERY_LAYERS`` layers of a long
     prefill chunk (``kvcache.layer``) and after a load (``lessmem.load``)."""
-    if not _LIBC:
-        import ctypes
-        import ctypes.util
-
-        fn = None
-        try:
-            name = ctypes.util.find_library("c")
-            fn = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-        except OSError:
-            fn = None
-        if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-        _LIBC.append(fn)
-    fn = _LIBC[0]
+    fn = _libc_function("malloc_trim", ("c_size_t",))
     if fn is None:
         return False
     fn(0)
