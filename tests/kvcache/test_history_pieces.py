@@ -165,3 +165,25 @@ def test_long_prefill_chunks_trim_the_heap_every_few_layers(monkeypatch):
         PagedKVLayer(cache.kv_config, i, (None, None), lambda: False, PagePool()).update(
             torch.randn(1, H, n, D), torch.randn(1, H, n, D))
     assert not trims
+
+
+def test_long_prompt_chunks_over_plain_tensors_trim_the_heap_every_few_layers(monkeypatch):
+    # a DynamicCache's layers are transformers': the switched attention trims for them (its
+    # chunk's freed pages stay otherwise, base.cpu.tune_heap); a lessmem cache's fused views
+    # trim in their own update, not here
+    import lessmem.kvcache.layer as layer_mod
+    from transformers import DynamicCache
+
+    trims = []
+    monkeypatch.setattr(layer_mod, "trim_heap", lambda: trims.append(1) or True)
+    every, n = layer_mod.TRIM_EVERY_LAYERS, layer_mod.TRIM_MIN_TOKENS
+    model = tiny_random("llama", num_layers=2 * every + 1)
+    for tokens, want in ((n, 2), (n - 1, 0)):
+        trims.clear()
+        with torch.inference_mode(), enable(model):
+            model(torch.randint(0, 200, (1, tokens)), past_key_values=DynamicCache(), use_cache=True)
+        assert len(trims) == want, tokens
+    trims.clear()
+    with torch.inference_mode(), enable(model):  # (the layers' own trims: two, none added)
+        model(torch.randint(0, 200, (1, n)), past_key_values=KVCache(model.config, resolve("best-4")), use_cache=True)
+    assert len(trims) == 2

@@ -61,6 +61,8 @@ def lessmem_attention(module, query, key, value, attention_mask, dropout: float 
 
 def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if not hasattr(key, "attend"):  # plain tensors (a DynamicCache's): the trims a lessmem layer makes
+        _trim_plain_chunk(module, query)
     softcap = kwargs.get("softcap")  # Gemma-2's attn_logit_softcapping: SDPA cannot apply it
     if hasattr(key, "attend"):  # a LayerView, or any view of that protocol (the serving engine's batch view)
         if softcap is None:
@@ -86,6 +88,23 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
         return out.float(), w
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _trim_plain_chunk(module, query) -> None:
+    """A long prompt chunk over plain tensors (a ``DynamicCache``, no cache) trims the C heap
+    every ``TRIM_EVERY_LAYERS`` layers, as ``QuantizedKVLayer.update`` does for a lessmem
+    cache (``kvcache.layer``): with ``base.cpu.tune_heap``'s thresholds nothing else returns a
+    chunk's freed pages, and a 512-token DynamicCache prefill of the built-in model peaked
+    ~10 MiB higher without these (probe medians 381 against 370.5 MiB, the prefill as fast).
+    (A lessmem layer on its unfused path hands plain tensors too, after trimming: a second,
+    cheaper trim.)"""
+    from . import layer
+
+    every = layer.TRIM_EVERY_LAYERS
+    idx = getattr(module, "layer_idx", None)
+    if (isinstance(idx, int) and idx % every == every - 1 and query.shape[-2] >= layer.TRIM_MIN_TOKENS
+            and query.device.type == "cpu"):
+        layer.trim_heap()
 
 
 def _kernel_causal(module, query, key, mask, dropout, is_causal, kwargs) -> bool | None:
