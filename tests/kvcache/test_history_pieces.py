@@ -171,8 +171,9 @@ def test_long_prompt_chunks_over_plain_tensors_trim_the_heap_every_few_layers(mo
     # a DynamicCache's layers are transformers': the switched attention trims for them (its
     # chunk's freed pages stay otherwise, base.cpu.tune_heap); a lessmem cache's fused views
     # trim in their own update, not here
-    import lessmem.kvcache.layer as layer_mod
     from transformers import DynamicCache
+
+    import lessmem.kvcache.layer as layer_mod
 
     trims = []
     monkeypatch.setattr(layer_mod, "trim_heap", lambda: trims.append(1) or True)
