@@ -95,7 +95,8 @@ def _trim_plain_chunk(module, query) -> None:
     every ``TRIM_EVERY_LAYERS`` layers, as ``QuantizedKVLayer.update`` does for a lessmem
     cache (``kvcache.layer``): with ``base.cpu.tune_heap``'s thresholds nothing else returns a
     chunk's freed pages, and a 512-token DynamicCache prefill of the built-in model peaked
-    ~10 MiB higher without these (probe medians 381 against 370.5 MiB, the prefill as fast).
+    ~10 MiB higher without these (two sets of four probe runs: medians 381 and 385.5 MiB over
+    the pre-import RSS without, 370.5 and 372 with; the prefill as fast).
     (A lessmem layer on its unfused path hands plain tensors too, after trimming: a second,
     cheaper trim.)"""
     from . import layer
