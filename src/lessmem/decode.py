@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base.cpu import trim_heap
+from .kvcache.attention import DYNAMIC_PROMPT
 from .kvcache.layer import append_rows
 from .kvcache.view import attend_rows
 
@@ -310,8 +311,15 @@ class LeanDecode:
         ids = args[0] if len(args) == 1 else kwargs.get("input_ids") if not args else None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if ids is None or len(args) > 1 or not self._eligible(ids, cache, kwargs):
-            out = type(self.model).forward(self.model, *args, **kwargs)
-            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and _cache_ok(cache):
+            chunk = isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and _cache_ok(cache)
+            # a DynamicCache's prompt chunk trims inside too (kvcache.attention._trim_plain_chunk)
+            token = DYNAMIC_PROMPT.set(True) if chunk and _is_dynamic(cache) else None
+            try:
+                out = type(self.model).forward(self.model, *args, **kwargs)
+            finally:
+                if token is not None:
+                    DYNAMIC_PROMPT.reset(token)
+            if chunk:
                 trim_heap()  # a prefill chunk freed its activations: hand the pages back (base.cpu)
             return out
         self.steps += 1
@@ -572,6 +580,13 @@ def _dynamic_append(layer, k: torch.Tensor, v: torch.Tensor):
         # layer (the first after a prefill) held the old KV and the new at once
         trim_heap()
     return layer.keys, layer.values
+
+
+def _is_dynamic(cache) -> bool:
+    """``cache`` is transformers' own ``DynamicCache`` (not a subclass: lessmem's caches are)."""
+    from transformers import DynamicCache
+
+    return type(cache) is DynamicCache
 
 
 def _cache_ok(cache) -> bool:

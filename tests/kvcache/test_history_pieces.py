@@ -168,23 +168,32 @@ def test_long_prefill_chunks_trim_the_heap_every_few_layers(monkeypatch):
 
 
 def test_long_prompt_chunks_over_plain_tensors_trim_the_heap_every_few_layers(monkeypatch):
-    # a DynamicCache's layers are transformers': the switched attention trims for them (its
-    # chunk's freed pages stay otherwise, base.cpu.tune_heap); a lessmem cache's fused views
-    # trim in their own update, not here
+    # a DynamicCache's layers are transformers': in a switched model (lessmem.load's lean
+    # decode) the attention trims for them (a chunk's freed pages stay otherwise,
+    # base.cpu.tune_heap); a lessmem cache's fused views trim in their own update, not here,
+    # and other plain tensors (the serving engine's full-precision pages) never trim
     from transformers import DynamicCache
 
+    import lessmem
     import lessmem.kvcache.layer as layer_mod
+    from lessmem.decode import lean_disable
 
     trims = []
     monkeypatch.setattr(layer_mod, "trim_heap", lambda: trims.append(1) or True)
     every, n = layer_mod.TRIM_EVERY_LAYERS, layer_mod.TRIM_MIN_TOKENS
     model = tiny_random("llama", num_layers=2 * every + 1)
-    for tokens, want in ((n, 2), (n - 1, 0)):
+
+    def prefill(tokens, cache) -> int:
         trims.clear()
         with torch.inference_mode(), enable(model):
-            model(torch.randint(0, 200, (1, tokens)), past_key_values=DynamicCache(), use_cache=True)
-        assert len(trims) == want, tokens
-    trims.clear()
-    with torch.inference_mode(), enable(model):  # (the layers' own trims: two, none added)
-        model(torch.randint(0, 200, (1, n)), past_key_values=KVCache(model.config, resolve("best-4")), use_cache=True)
-    assert len(trims) == 2
+            model(torch.randint(0, 200, (1, tokens)), past_key_values=cache, use_cache=True)
+        return len(trims)
+
+    assert prefill(n, DynamicCache()) == 0  # not switched: plain tensors of unknown origin
+    lessmem.lean_decode(model)
+    try:
+        assert prefill(n, DynamicCache()) == 2
+        assert prefill(n - 1, DynamicCache()) == 0
+        assert prefill(n, KVCache(model.config, resolve("best-4"))) == 2  # the layers' own, none added
+    finally:
+        lean_disable(model)

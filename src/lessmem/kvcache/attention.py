@@ -30,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 from ..kernels import prompt_attention
@@ -90,15 +92,22 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 
 
+# Set (by lessmem.decode's switched forward) while a prompt chunk runs over a plain
+# DynamicCache: its layers are transformers', so the attention trims for them (_trim_plain_chunk)
+DYNAMIC_PROMPT: contextvars.ContextVar = contextvars.ContextVar("lessmem_dynamic_prompt", default=False)
+
+
 def _trim_plain_chunk(module, query) -> None:
-    """A long prompt chunk over plain tensors (a ``DynamicCache``, no cache) trims the C heap
+    """A long prompt chunk over a ``DynamicCache`` (``DYNAMIC_PROMPT``) trims the C heap
     every ``TRIM_EVERY_LAYERS`` layers, as ``QuantizedKVLayer.update`` does for a lessmem
     cache (``kvcache.layer``): with ``base.cpu.tune_heap``'s thresholds nothing else returns a
     chunk's freed pages, and a 512-token DynamicCache prefill of the built-in model peaked
     ~10 MiB higher without these (two sets of four probe runs: medians 381 and 385.5 MiB over
-    the pre-import RSS without, 370.5 and 372 with; the prefill as fast).
-    (A lessmem layer on its unfused path hands plain tensors too, after trimming: a second,
-    cheaper trim.)"""
+    the pre-import RSS without, 370.5 and 372 with; the prefill as fast). Other plain
+    tensors do not trim: a lessmem layer on its unfused path has trimmed already, and the
+    serving engine's full-precision pages never do (its next step reuses them)."""
+    if not DYNAMIC_PROMPT.get():
+        return
     from . import layer
 
     every = layer.TRIM_EVERY_LAYERS
