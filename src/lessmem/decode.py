@@ -312,8 +312,9 @@ class LeanDecode:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if ids is None or len(args) > 1 or not self._eligible(ids, cache, kwargs):
             chunk = isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and _cache_ok(cache)
-            # a DynamicCache's prompt chunk trims inside too (kvcache.attention._trim_plain_chunk)
-            token = DYNAMIC_PROMPT.set(True) if chunk and _is_dynamic(cache) else None
+            # a DynamicCache's prompt chunk (_cache_ok's only cache without a kv_config) trims
+            # inside too (kvcache.attention._trim_dynamic_chunk)
+            token = DYNAMIC_PROMPT.set(True) if chunk and not hasattr(cache, "kv_config") else None
             try:
                 out = type(self.model).forward(self.model, *args, **kwargs)
             finally:
@@ -580,13 +581,6 @@ def _dynamic_append(layer, k: torch.Tensor, v: torch.Tensor):
         # layer (the first after a prefill) held the old KV and the new at once
         trim_heap()
     return layer.keys, layer.values
-
-
-def _is_dynamic(cache) -> bool:
-    """``cache`` is transformers' own ``DynamicCache`` (not a subclass: lessmem's caches are)."""
-    from transformers import DynamicCache
-
-    return type(cache) is DynamicCache
 
 
 def _cache_ok(cache) -> bool:

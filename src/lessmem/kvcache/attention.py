@@ -63,8 +63,8 @@ def lessmem_attention(module, query, key, value, attention_mask, dropout: float 
 
 def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if not hasattr(key, "attend"):  # plain tensors (a DynamicCache's): the trims a lessmem layer makes
-        _trim_plain_chunk(module, query)
+    if DYNAMIC_PROMPT.get():  # a DynamicCache's prompt chunk: the trims a lessmem layer makes
+        _trim_dynamic_chunk(module, query)
     softcap = kwargs.get("softcap")  # Gemma-2's attn_logit_softcapping: SDPA cannot apply it
     if hasattr(key, "attend"):  # a LayerView, or any view of that protocol (the serving engine's batch view)
         if softcap is None:
@@ -93,28 +93,23 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
 
 
 # Set (by lessmem.decode's switched forward) while a prompt chunk runs over a plain
-# DynamicCache: its layers are transformers', so the attention trims for them (_trim_plain_chunk)
+# DynamicCache: its layers are transformers', so the attention trims for them (_trim_dynamic_chunk)
 DYNAMIC_PROMPT: contextvars.ContextVar = contextvars.ContextVar("lessmem_dynamic_prompt", default=False)
 
 
-def _trim_plain_chunk(module, query) -> None:
-    """A long prompt chunk over a ``DynamicCache`` (``DYNAMIC_PROMPT``) trims the C heap
-    every ``TRIM_EVERY_LAYERS`` layers, as ``QuantizedKVLayer.update`` does for a lessmem
-    cache (``kvcache.layer``): with ``base.cpu.tune_heap``'s thresholds nothing else returns a
-    chunk's freed pages, and a 512-token DynamicCache prefill of the built-in model peaked
-    ~10 MiB higher without these (two sets of four probe runs: medians 381 and 385.5 MiB over
-    the pre-import RSS without, 370.5 and 372 with; the prefill as fast). Other plain
-    tensors do not trim: a lessmem layer on its unfused path has trimmed already, and the
-    serving engine's full-precision pages never do (its next step reuses them)."""
-    if not DYNAMIC_PROMPT.get():
-        return
+def _trim_dynamic_chunk(module, query) -> None:
+    """A long prompt chunk over a ``DynamicCache`` (``DYNAMIC_PROMPT``) trims the C heap as a
+    lessmem layer's update does (``kvcache.layer.trim_for_chunk``): with ``base.cpu.tune_heap``'s
+    thresholds nothing else returns a chunk's freed pages, and a 512-token DynamicCache
+    prefill of the built-in model peaked ~10 MiB higher without these (two sets of four probe
+    runs: medians 381 and 385.5 MiB over the pre-import RSS without, 370.5 and 372 with; the
+    prefill as fast). Nothing else trims here: a lessmem layer has trimmed in its update, and
+    the serving engine's full-precision pages never do (its next step reuses them)."""
     from . import layer
 
-    every = layer.TRIM_EVERY_LAYERS
     idx = getattr(module, "layer_idx", None)
-    if (isinstance(idx, int) and idx % every == every - 1 and query.shape[-2] >= layer.TRIM_MIN_TOKENS
-            and query.device.type == "cpu"):
-        layer.trim_heap()
+    if isinstance(idx, int):
+        layer.trim_for_chunk(idx, query)
 
 
 def _kernel_causal(module, query, key, mask, dropout, is_causal, kwargs) -> bool | None:

@@ -61,6 +61,16 @@ TRIM_EVERY_LAYERS = 10
 TRIM_MIN_TOKENS = 128
 
 
+def trim_for_chunk(layer_idx: int, x: torch.Tensor) -> None:
+    """``trim_heap`` where layer ``layer_idx`` takes a prompt chunk ``x`` [..., T, D] of at
+    least ``TRIM_MIN_TOKENS`` tokens on the CPU, every ``TRIM_EVERY_LAYERS`` layers (above): a
+    lessmem layer's update asks, and the switched attention for a ``DynamicCache``'s layers
+    (``kvcache.attention.DYNAMIC_PROMPT``)."""
+    if (x.shape[-2] >= TRIM_MIN_TOKENS and layer_idx % TRIM_EVERY_LAYERS == TRIM_EVERY_LAYERS - 1
+            and x.device.type == "cpu"):
+        trim_heap()  # (see TRIM_EVERY_LAYERS)
+
+
 def crop_to_length(tokens_to_remove, length: int) -> int:
     """The length to keep for transformers' ``crop(tokens_to_remove)`` on ``length`` tokens.
 
@@ -153,9 +163,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if (self.trim_on_prefill and key_states.shape[-2] >= TRIM_MIN_TOKENS
-                and self.layer_idx % TRIM_EVERY_LAYERS == TRIM_EVERY_LAYERS - 1 and key_states.device.type == "cpu"):
-            trim_heap()  # (see TRIM_EVERY_LAYERS)
+        if self.trim_on_prefill:
+            trim_for_chunk(self.layer_idx, key_states)
         if not self.quantized:  # behaves exactly like DynamicLayer
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
