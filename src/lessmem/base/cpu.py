@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -62,8 +63,6 @@ def free_cores(sample_s: float = 0.1) -> int:
     return max(1, min(cores, int(machine - busy + 0.35)))  # a core counts free at >= 65% idle
 
 
-_LIBC = {}  # C library function name -> its ctypes function, or None where there is none
-
 # glibc's malloc thresholds lessmem sets for a model run (tune_heap): allocations up to
 # HEAP_MMAP_THRESHOLD come from the heap (32 MiB: the ceiling glibc's own dynamic threshold
 # climbs to, and the largest its manual allows on 64-bit systems), and the heap's free top
@@ -73,9 +72,9 @@ HEAP_MMAP_THRESHOLD = 32 << 20
 HEAP_TRIM_THRESHOLD = 32 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 _USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
-_TUNED = []  # [the result of the one tune_heap that ran]
 
 
+@functools.cache
 def tune_heap() -> bool:
     """Let glibc's heap keep the pages a model run frees and reuses (``mallopt``: the mmap
     threshold fixed at ``HEAP_MMAP_THRESHOLD``, the trim threshold at ``HEAP_TRIM_THRESHOLD``),
@@ -85,42 +84,36 @@ def tune_heap() -> bool:
     top back to the OS at twice that, so a prefill chunk's activations (a few MiB each, freed
     and allocated again in every layer) came as fresh pages over and over: a 2048-token
     prefill of the built-in model in 512-token chunks took ~400,000 page faults and 0.8 s of
-    system time, ~120,000 and 0.3 s tuned (the rest: ``trim_heap``'s explicit trims, which
-    keep the peak RSS where it was). Process-wide, so it is skipped where the process already chose:
+    system time, ~120,000 and 0.3 s tuned (probes; the rest: ``trim_heap``'s explicit trims,
+    which keep the peak RSS where it was). Process-wide, so it is skipped where the process already chose:
     ``MALLOC_*_`` thresholds or ``glibc.malloc`` tunables in the environment, or
     ``LESSMEM_TUNE_HEAP=0``; a no-op (False) without glibc's ``mallopt`` (musl, macOS,
     Windows). With another allocator preloaded (jemalloc, tcmalloc) it tunes glibc's, which
     that one stands in for: nothing changes.
     """
-    if _TUNED:
-        return _TUNED[0]
     env = os.environ
     chosen = (env.get("LESSMEM_TUNE_HEAP", "1").strip().lower() in ("0", "false", "no", "off")
               or any(k in env for k in _USER_MALLOC_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""))
     fn = None if chosen else _libc_function("mallopt", ("c_int", "c_int"))
-    done = fn is not None and bool(fn(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(
+    return fn is not None and bool(fn(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(
         fn(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
-    _TUNED.append(done)
-    return done
 
 
+@functools.cache
 def _libc_function(name: str, argtypes: tuple[str, ...]):
     """The C library's function ``name`` (ctypes, returning int; ``argtypes`` by ctypes type
     name), or None where the library or the function is missing; looked up once."""
-    if name not in _LIBC:
-        import ctypes
-        import ctypes.util
+    import ctypes
+    import ctypes.util
 
-        fn = None
-        try:
-            lib = ctypes.util.find_library("c")
-            fn = getattr(ctypes.CDLL(lib), name, None) if lib else None
-        except OSError:
-            fn = None
-        if fn is not None:
-            fn.argtypes, fn.restype = [getattr(ctypes, t) for t in argtypes], ctypes.c_int
-        _LIBC[name] = fn
-    return _LIBC[name]
+    try:
+        lib = ctypes.util.find_library("c")
+        fn = getattr(ctypes.CDLL(lib), name, None) if lib else None
+    except OSError:
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [getattr(ctypes, t) for t in argtypes], ctypes.c_int
+    return fn
 
 
 def trim_heap() -> bool:
